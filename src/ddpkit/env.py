@@ -1,0 +1,309 @@
+"""The launcher's environment, the process group and the one value that describes the world.
+
+This is the only module that reads the launcher's environment variables.
+
+    # torchrun / ddpkit launch: every worker
+    world = ddpkit.init_process_group()          # backend picked from the device
+    model = ddpkit.DistributedDataParallel(net.to(world.device))
+    ...
+    ddpkit.destroy_process_group()
+
+Without any launcher (plain ``python train.py``) the same calls give a world of one process, so a script
+written for N processes runs unchanged on one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+import warnings
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+# The backend each kind of device gets when none is asked for (the Transformers guide's list).
+DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
+KNOWN_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "cncl", "mpi", "ucc")
+# torch's own default for a process group; the Transformers default for ddp_timeout is the same 1800 s.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class LaunchError(RuntimeError):
+    """The environment the launcher gave does not describe a usable world."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process, before any process group exists."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "none"  # torchrun, slurm, mpi, or none
+    agent_store: bool = False  # torchrun's agent owns MASTER_PORT: connect through env://, never bind it
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise LaunchError(f"world size must be >= 1, the {self.launcher} environment says {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise LaunchError(
+                f"rank {self.rank} is outside the world of {self.world_size} processes "
+                f"(launcher: {self.launcher}); check RANK/WORLD_SIZE or their SLURM/MPI equivalents"
+            )
+        if not 0 <= self.local_rank < max(self.local_world_size, 1):
+            raise LaunchError(
+                f"local rank {self.local_rank} is outside the {self.local_world_size} processes of this node"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """The world as this process sees it; made once by `init_process_group` and passed down.
+
+    A single process without a launcher is ``DistEnv(rank=0, local_rank=0, world_size=1, ...)``.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+    launcher: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the one process that writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise LaunchError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if match is None:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read rank and world from torchrun, then SLURM, then Open MPI / PMI variables; none: a world of one."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, ddpkit launch, accelerate launch, torch.multiprocessing
+        world = _int(env, "WORLD_SIZE")
+        return LaunchInfo(
+            rank=_int(env, "RANK"),
+            local_rank=_int(env, "LOCAL_RANK") or 0,
+            world_size=world,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE") or world,
+            master_addr=addr,
+            master_port=port,
+            launcher="torchrun",
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        if addr is None:
+            addr = env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
+        if port is None:  # the same on every task of a job, different between jobs sharing a node
+            port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
+        return LaunchInfo(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID") or 0,
+            world_size=world,
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE") or world,
+            master_addr=addr,
+            master_port=port,
+            launcher="slurm",
+        )
+    mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    mpi_size = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if mpi_rank is not None and mpi_size is not None:
+        return LaunchInfo(
+            rank=mpi_rank,
+            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID") or 0,
+            world_size=mpi_size,
+            local_world_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") or mpi_size,
+            master_addr=addr,
+            master_port=port,
+            launcher="mpi",
+        )
+    if addr is not None and port is not None:
+        warnings.warn(
+            "MASTER_ADDR and MASTER_PORT are set but RANK and WORLD_SIZE are not: only ONE training process was "
+            "started. This is what `accelerate launch --num_processes N` does on a machine without GPUs unless "
+            "--multi_gpu is given. Start N processes with `ddpkit launch --nproc-per-node N train.py`, "
+            "`torchrun --nproc_per_node=N train.py` or `accelerate launch --multi_gpu --num_processes N train.py`. "
+            "Continuing as a single process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return LaunchInfo()
+
+
+def available_backends() -> list[str]:
+    """The collective backends this torch build can use on this machine."""
+    found = []
+    if dist.is_gloo_available():
+        found.append("gloo")
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        found.append("nccl")
+    if getattr(dist, "is_xccl_available", lambda: False)() and hasattr(torch, "xpu") and torch.xpu.is_available():
+        found.append("xccl")
+    if dist.is_mpi_available():
+        found.append("mpi")
+    if getattr(dist, "is_ucc_available", lambda: False)():
+        found.append("ucc")
+    for name, module in (("hccl", "npu"), ("cncl", "mlu")):  # registered by vendor plug-ins (torch_npu, torch_mlu)
+        if hasattr(torch, module) and name in getattr(dist.Backend, "backend_list", []):
+            found.append(name)
+    return found
+
+
+def default_device_type() -> str:
+    """The accelerator this process should use, or cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    for kind in ("xpu", "npu", "mlu", "hpu"):
+        module = getattr(torch, kind, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return kind
+    return "cpu"
+
+
+def backend_for_device(device_type: str) -> str:
+    try:
+        return DEVICE_BACKENDS[device_type]
+    except KeyError:
+        raise ValueError(f"no default backend for device type {device_type!r}; pass backend= explicitly") from None
+
+
+def check_backend(backend: str) -> None:
+    """Fail at once, naming what is available, when `backend` cannot run here."""
+    available = available_backends()
+    if backend not in KNOWN_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(KNOWN_BACKENDS)} "
+                         f"(available on this machine: {', '.join(available) or 'none'})")
+    if backend not in available:
+        why = " (nccl needs CUDA GPUs, and none is visible)" if backend == "nccl" else ""
+        raise ValueError(f"backend {backend!r} is not available here{why}; "
+                         f"available on this machine: {', '.join(available) or 'none'}")
+
+
+def to_timeout(timeout: float | int | datetime.timedelta | None) -> datetime.timedelta:
+    if timeout is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout.total_seconds()} s")
+    return timeout
+
+
+def _pin_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    count = module.device_count()
+    if local_rank >= count:
+        raise LaunchError(
+            f"local rank {local_rank} needs {device_type}:{local_rank} but only {count} {device_type} device(s) "
+            f"are visible; start at most {count} processes per node"
+        )
+    module.set_device(local_rank)
+    return torch.device(device_type, local_rank)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host` (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    device_type: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistEnv:
+    """Join the world the launcher described, pin this process to its device and return the world.
+
+    backend: nccl, gloo, xccl, hccl, cncl, or None to pick by device (cuda->nccl, cpu->gloo, ...).
+    timeout: seconds (or a timedelta) after which any collective raises instead of hanging.
+    An existing default process group (made by accelerate, say) is adopted as it is.
+    """
+    info = read_launch_env(environ)
+    device_type = device_type or default_device_type()
+    timeout = to_timeout(timeout)
+    if dist.is_initialized():
+        device = _pin_device(device_type, info.local_rank)
+        return DistEnv(dist.get_rank(), info.local_rank, dist.get_world_size(), info.local_world_size, device,
+                       dist.get_backend(), timeout, info.launcher)
+    backend = backend or backend_for_device(device_type)
+    check_backend(backend)
+    device = _pin_device(device_type, info.local_rank)
+    kwargs = dict(backend=backend, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = device  # lets NCCL connect eagerly and bind the communicator to our GPU
+    if info.world_size == 1 and info.launcher == "none":
+        # A world of one needs no rendezvous: an in-memory store, no port, and every collective still works.
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    elif info.launcher == "torchrun":
+        # env:// reads MASTER_ADDR/PORT itself; under TORCHELASTIC_USE_AGENT_STORE it connects to the agent's
+        # store as a client and never binds the port, which the agent already holds.
+        if not info.agent_store and (info.master_addr is None or info.master_port is None):
+            raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
+                              "set both, or start the job with ddpkit launch or torchrun")
+        dist.init_process_group(init_method="env://", rank=info.rank, world_size=info.world_size, **kwargs)
+    else:
+        if info.master_addr is None or info.master_port is None:
+            raise LaunchError(f"the {info.launcher} environment gives rank {info.rank} of {info.world_size} but no "
+                              "MASTER_ADDR/MASTER_PORT; export both to the address and a free port of rank 0's host")
+        dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
+                                world_size=info.world_size, **kwargs)
+    return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
+                   info.launcher)
+
+
+def single_process_env(device: torch.device | str = "cpu") -> DistEnv:
+    """The world of one process, without any process group (for code paths that never communicate)."""
+    return DistEnv(0, 0, 1, 1, torch.device(device), "none", to_timeout(None))
+
+
+def destroy_process_group() -> None:
+    """Leave the world; a no-op when no process group exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
