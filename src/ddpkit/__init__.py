@@ -6,6 +6,7 @@
 """
 
 from .comm import Comm, barrier, main_process_first
+from .ddp import DistributedDataParallel
 from .env import (
     DistEnv,
     LaunchError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Comm",
     "DistEnv",
+    "DistributedDataParallel",
     "LaunchError",
     "LaunchInfo",
     "available_backends",

@@ -1,0 +1,252 @@
+"""DistributedDataParallel: a drop-in for torch's wrapper, on ddpkit's own reducer.
+
+    world = ddpkit.init_process_group()
+    model = ddpkit.DistributedDataParallel(net.to(world.device), device_ids=[world.local_rank] if cuda else None)
+    loss = model(x).loss_fn(...); loss.backward()      # gradients averaged over every rank
+    with model.no_sync():                              # accumulate locally, reduce on the next synced backward
+        model(x2).sum().backward()
+
+What differs from torch's: a parameter that gets no gradient never hangs and never lets replicas diverge,
+whatever `find_unused_parameters` says (see `Reducer`); `find_unused_parameters=True` only adds a walk of
+the autograd graph after each forward, so that buckets holding parameters the forward did not reach are
+launched during backward instead of at its end. Two backward passes after two forwards, and layers used several
+times under reentrant activation checkpointing, give the gradients one process would compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .comm import Comm
+from .reducer import DEFAULT_BUCKET_CAP_MB, CommHook, Reducer
+
+
+class DistributedDataParallel(nn.Module):
+    """Replicates `module` on every rank and averages its gradients during backward.
+
+    The arguments are torch's, with the same meanings and defaults; `check_reduction` and `static_graph` are
+    accepted for compatibility and change nothing (unused parameters and reentrant checkpointing are always
+    handled; see the module docstring).
+    """
+
+    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool | None = True, process_group: dist.ProcessGroup | None = None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, init_sync: bool = True, **unsupported: Any):
+        super().__init__()
+        if unsupported:
+            raise TypeError(f"ddpkit's DistributedDataParallel does not support {sorted(unsupported)}; "
+                            "drop them or use torch.nn.parallel.DistributedDataParallel")
+        self.module = module
+        self.device_ids, self.output_device = _check_devices(module, device_ids, output_device)
+        self.dim = dim
+        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb}")
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires "
+                             "a gradient; this one has none, so there is nothing to synchronise")
+        self._comm = Comm(process_group)
+        self.process_group = process_group
+        self._buffers_to_sync = [b for b in module.buffers()] if self.broadcast_buffers else []
+        if self._comm.distributed:
+            _check_same_model(module, self._comm)
+            if init_sync:
+                self._comm.broadcast_tensors([p.detach() for p in module.parameters()]
+                                             + list(module.buffers()), src=0, what="init parameters and buffers")
+        self.reducer: Reducer | None = None
+        if self._comm.distributed:
+            self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
+                                   gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+            self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
+            self._reached: set[int] = set()
+            self._reached_window = -1
+
+    # -- the forward skeleton ------------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+            inputs, kwargs = self._pre_forward(inputs, kwargs)
+            output = self.module(*inputs, **kwargs)
+            return self._post_forward(output)
+
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.device_ids:
+            device = torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+        if self.reducer is not None and torch.is_grad_enabled() and self._buffers_to_sync:
+            # Running statistics and the like come from rank 0 at every training forward.
+            self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
+        return inputs, kwargs
+
+    def _post_forward(self, output: Any) -> Any:
+        if self.reducer is None or not torch.is_grad_enabled() or not self.require_backward_grad_sync:
+            return output
+        flat, spec = tree_flatten(output)
+        slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return output
+        if self.find_unused_parameters:
+            self._note_reachable([flat[i] for i in slots])
+        armed = _ArmBackward.apply(self.reducer, *[flat[i] for i in slots])
+        for i, tensor in zip(slots, armed):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _note_reachable(self, outputs: list[torch.Tensor]) -> None:
+        """Walk the graph the forward built; parameters it cannot reach need not be waited for in backward."""
+        if self._reached_window != self.reducer.windows:  # the first forward since the last synced backward
+            self._reached = set()
+            self._reached_window = self.reducer.windows
+        seen: set = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                index = self._param_index.get(id(variable))
+                if index is not None:
+                    self._reached.add(index)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        self.reducer.set_unreachable([i for i in range(len(self.reducer.params)) if i not in self._reached])
+
+    # -- the torch surface ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Replace the bucket all-reduce by `hook(state, bucket) -> Future[Tensor]`, before the first backward."""
+        if not callable(hook):
+            raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+        if self.reducer is None:
+            self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
+            return
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("a comm hook is already registered; register_comm_hook may be called only once")
+        if self.reducer.windows > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward pass")
+        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.reducer is not None and bool(self._buffers_to_sync)
+
+    def _set_static_graph(self) -> None:
+        """Accepted for compatibility (accelerate calls it): ddpkit learns the graph in the first iteration."""
+        self.static_graph = True
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        raise NotImplementedError("uneven inputs through join() are not supported yet; give every rank the same "
+                                  "number of batches (ddpkit.DistributedSampler does) or use ddpkit's Trainer")
+
+    @property
+    def bucket_plan(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (empty in a world of one or before the first backward)."""
+        return self.reducer.bucket_plan() if self.reducer is not None else []
+
+
+class _ArmBackward(torch.autograd.Function):
+    """A pass-through whose backward runs first in the outer backward pass and opens the reducer's window."""
+
+    @staticmethod
+    def forward(ctx, reducer: Reducer, *tensors: torch.Tensor):
+        ctx.reducer = reducer
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.reducer.arm(sync=True)
+        return (None, *grads)
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    flat, spec = tree_flatten(obj)
+    return tree_unflatten([t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in flat],
+                          spec)
+
+
+def _check_devices(module: nn.Module, device_ids, output_device):
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None:
+        if output_device is not None:
+            raise ValueError("output_device is only meaningful together with device_ids")
+        return None, None
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids must hold exactly one device (this process's), got {device_ids}; "
+                         "ddpkit runs one process per device")
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"device_ids={device_ids} is only for a module on one CUDA device, but this module's "
+                         f"parameters are on {sorted(map(str, devices))}; leave device_ids=None for CPU or "
+                         "multi-device modules")
+    index = torch.device("cuda", device_ids[0]).index if isinstance(device_ids[0], int) else device_ids[0].index
+    (device,) = devices
+    if device.index != index:
+        raise ValueError(f"device_ids={device_ids} but the module is on {device}; move it with "
+                         f"module.to('cuda:{index}') or pass device_ids=[{device.index}]")
+    if output_device is None:
+        return [index], index
+    return [index], torch.device("cuda", output_device).index if isinstance(output_device, int) \
+        else torch.device(output_device).index
+
+
+def _signature(module: nn.Module) -> list[tuple]:
+    params = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    buffers = [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    return params + buffers
+
+
+def _check_same_model(module: nn.Module, comm: Comm) -> None:
+    """Fail on every rank, with the same message, when any rank's model differs from rank 0's."""
+    mine = _signature(module)
+    every = comm.all_gather_object(mine, what="model check")
+    reference = every[0]
+    for rank, other in enumerate(every[1:], start=1):
+        problem = _first_difference(reference, other)
+        if problem is not None:
+            raise RuntimeError(f"the model on rank {rank} differs from rank 0's: {problem}. Every rank must build "
+                               "the same model (same layers, shapes, dtypes and requires_grad) before wrapping it")
+
+
+def _first_difference(reference: list[tuple], other: list[tuple]) -> str | None:
+    for position, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return f"entry {position} is {_describe(b)} there but {_describe(a)} on rank 0"
+    if len(reference) != len(other):
+        longer, which = (reference, "rank 0") if len(reference) > len(other) else (other, "it")
+        extra = longer[min(len(reference), len(other))]
+        return (f"{len(other)} parameters and buffers there, {len(reference)} on rank 0; the first extra one "
+                f"({which}) is {_describe(extra)}")
+    return None
+
+
+def _describe(entry: tuple) -> str:
+    kind, name, shape, dtype, *rest = entry
+    grad = "" if not rest else (", requires_grad" if rest[0] else ", frozen")
+    return f"{kind} '{name}' {list(shape)} {dtype.replace('torch.', '')}{grad}"
+

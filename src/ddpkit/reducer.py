@@ -1,0 +1,404 @@
+"""Gradient buckets, backward hooks, asynchronous all-reduce and the end-of-backward finalize.
+
+Read top-down, the life of one synchronised backward pass (a "window"):
+
+1. Arm. The first autograd node of the backward pass (a pass-through wrapped around the forward's outputs by
+   the DDP wrapper, or failing that the first gradient hook) opens the window and queues `_finalize` on the
+   autograd engine, so that it runs once the *outermost* backward is done, also under reentrant checkpointing.
+2. Hook. Each parameter's post-accumulate-grad hook counts how often its gradient was accumulated. When the
+   count reaches the number learned in the first iteration, the parameter is ready; a bucket whose parameters
+   are all ready is launched, strictly in bucket-index order on every rank, so collectives always match.
+3. Launch. The bucket's gradients are copied into its flat buffer, divided by the world size and all-reduced
+   asynchronously (or handed to a comm hook) while backward goes on.
+4. Finalize. Buckets that never filled (their parameters got no gradient on this rank) are launched with
+   whatever gradient their parameters hold (zeros for none), every bucket is awaited, and the averages are
+   written back. A usage count per parameter travels at the end of the last bucket: a parameter no rank used
+   keeps its gradient as it was (None stays None), one used by some ranks gets the average over all ranks,
+   as one process on the concatenated batch would.
+
+The first synchronised window only learns: it records the order in which gradients became ready and how many
+times each was accumulated, reduces everything at its end, and builds the buckets in rank 0's ready order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from .comm import Comm
+
+# torch's default bucket size; the first bucket is small because its gradients (the last layers') are ready
+# first and launching it early starts communication sooner (torch makes the same choice, 1 MiB).
+DEFAULT_BUCKET_CAP_MB = 25.0
+FIRST_BUCKET_CAP_MB = 1.0
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+# -- the bucket plan: pure -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """What the plan needs to know about one parameter."""
+
+    numel: int
+    element_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+def plan_buckets(specs: Sequence[ParamSpec], order: Sequence[int], cap_bytes: int,
+                 first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group parameter indices into buckets.
+
+    Parameters are taken in `order` (the order their gradients are expected to be ready); each (dtype,
+    device) gets its own buckets; a bucket is closed when the next parameter would take it past its cap (the
+    first bucket of each kind uses `first_cap_bytes`); a parameter larger than the cap gets a bucket of its own.
+    Buckets are numbered by the position of their first parameter in `order`, so bucket 0 is the first ready.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    if sorted(order) != list(range(len(specs))):
+        raise ValueError("order must be a permutation of the parameter indices")
+    first_cap = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
+    open_buckets: dict[tuple, list[int]] = {}
+    open_bytes: dict[tuple, int] = {}
+    closed_count: dict[tuple, int] = {}
+    done: list[list[int]] = []
+    for index in order:
+        spec = specs[index]
+        kind = (spec.dtype, spec.device)
+        bucket = open_buckets.setdefault(kind, [])
+        limit = first_cap if closed_count.get(kind, 0) == 0 else cap_bytes
+        if bucket and open_bytes[kind] + spec.nbytes > limit:
+            done.append(bucket)
+            closed_count[kind] = closed_count.get(kind, 0) + 1
+            bucket = open_buckets[kind] = []
+            open_bytes[kind] = 0
+        bucket.append(index)
+        open_bytes[kind] = open_bytes.get(kind, 0) + spec.nbytes
+    done.extend(b for b in open_buckets.values() if b)
+    position = {index: pos for pos, index in enumerate(order)}
+    done.sort(key=lambda bucket: position[bucket[0]])
+    return done
+
+
+def ready_order(fired: Sequence[int], num_params: int) -> list[int]:
+    """The order in which parameters became ready: by their last hook firing; never-fired ones last, in
+    reverse registration order (the order backward usually visits them)."""
+    last = {index: pos for pos, index in enumerate(fired)}
+    seen = sorted(last, key=last.__getitem__)
+    rest = [i for i in reversed(range(num_params)) if i not in last]
+    return seen + rest
+
+
+# -- buckets at run time ---------------------------------------------------------------------------------------
+class GradBucket:
+    """One bucket as a comm hook sees it (the surface of torch's GradBucket)."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], buffer: torch.Tensor, comm: Comm,
+                 is_last: bool):
+        self._index = index
+        self._params = params
+        self._buffer = buffer
+        self._is_last = is_last
+        self.comm = comm
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradients of this bucket; a hook reduces it and returns it (or a tensor of its size)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self.views)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+class _Bucket:
+    """Run-time state of one bucket: its storage and, per window, how far it got."""
+
+    def __init__(self, index: int, members: list[int], params: list[torch.nn.Parameter], comm: Comm,
+                 is_last: bool, flag_slots: int):
+        numel = sum(params[i].numel() for i in members)
+        first = params[members[0]]
+        # The last bucket carries one usage count per parameter after its gradients (see _finalize).
+        self.storage = torch.zeros(numel + flag_slots, dtype=first.dtype, device=first.device)
+        self.members = members
+        self.grad_numel = numel
+        self.public = GradBucket(index, [params[i] for i in members], self.storage[:numel], comm, is_last)
+        self.views = self.public.views
+        self.flags = self.storage[numel:] if flag_slots else None
+        self.pending = len(members)
+        self.launched = False
+        self.work: Any = None
+        self.future: torch.futures.Future | None = None
+
+
+class Reducer:
+    """Averages the gradients of `params` over `comm`'s ranks during backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], comm: Comm,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, gradient_as_bucket_view: bool = False,
+                 first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB,
+                 default_sync: Callable[[], bool] = lambda: True):
+        if not params:
+            raise ValueError("there are no parameters that require a gradient to reduce")
+        self.params = params
+        self.names = names
+        self.comm = comm
+        self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.first_cap_bytes = int(first_bucket_cap_mb * 1024 * 1024)
+        if self.cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.default_sync = default_sync  # whether a backward that no forward armed should synchronise
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        self.specs = [ParamSpec(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
+        n = len(params)
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: list[int] = [0] * n
+        self.expected: list[int] = [1] * n  # accumulations per backward, learned in the first window
+        self.learning = True
+        self.fired_order: list[int] = []
+        self.rebuilt_order: list[int] | None = None  # rank 0's ready order the buckets were built from
+        # Per synchronised window:
+        self.armed = False
+        self.sync = False
+        self.graph_task: int | None = None
+        self.fires: list[int] = [0] * n
+        self.next_launch = 0
+        # Since the last synchronised finalize (so no_sync micro-batches count as uses):
+        self.used: list[bool] = [False] * n
+        self.num_used = 0
+        # Parameters the forward pass could not reach (find_unused_parameters): ready from the start.
+        self.unreachable: list[int] = []
+        self.unreachable_set: frozenset[int] = frozenset()
+        self.windows = 0
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                         for i, p in enumerate(params)]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- 1. arm --------------------------------------------------------------------------------------------------
+    def arm(self, sync: bool) -> None:
+        """Open a window for the backward pass that is starting (called from its first autograd node)."""
+        task = torch._C._current_graph_task_id()
+        if self.armed:
+            if task == self.graph_task:  # several DDP outputs feed one backward: one window
+                self.sync = self.sync or sync
+                return
+            self._abandon()  # the previous backward raised before its finalize ran
+        self.armed = True
+        self.sync = sync
+        self.graph_task = task
+        if sync:
+            self.fires = [0] * len(self.params)
+            self.next_launch = 0
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.members)
+                bucket.launched = False
+            if not self.learning:
+                for i in self.unreachable:
+                    self.fires[i] = self.expected[i]
+                    self._count_ready(i)
+        Variable._execution_engine.queue_callback(self._finalize)
+
+    def _abandon(self) -> None:
+        for bucket in self.buckets:
+            if bucket.launched:
+                _wait(bucket)
+        self.armed = False
+
+    # -- 2. hook -------------------------------------------------------------------------------------------------
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if not self.armed:
+            # No armed output reached this backward (the forward's outputs were not tensors we could wrap).
+            self.arm(self.default_sync())
+        if not self.used[index]:
+            self.used[index] = True
+            self.num_used += 1
+        if not self.sync:
+            return
+        count = self.fires[index] + 1
+        self.fires[index] = count
+        if self.learning:
+            self.fired_order.append(index)
+            return
+        expected = self.expected[index]
+        if count == expected:
+            self._count_ready(index)
+        elif count > expected:
+            bucket = self.buckets[self.bucket_of[index]]
+            if bucket.launched:
+                raise RuntimeError(
+                    f"parameter '{self.names[index]}' received gradient number {count} in this backward pass "
+                    f"after its bucket was already reduced; in the first iteration it received {expected}. The "
+                    "graph changed how often this parameter is used in one backward pass (a layer called a "
+                    "different number of times under reentrant activation checkpointing, say). Keep that number "
+                    "fixed from one iteration to the next, or use checkpoint(..., use_reentrant=False)."
+                )
+            # Still in time: its gradient is copied when the bucket launches. A parameter the forward pass
+            # could not reach (find_unused_parameters) keeps its count; any other learns the new one.
+            if index not in self.unreachable_set:
+                self.expected[index] = count
+
+    def _count_ready(self, index: int) -> None:
+        bucket = self.buckets[self.bucket_of[index]]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    # -- 3. launch -----------------------------------------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        """Launch every complete bucket that is next in index order."""
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
+            self._launch(self.buckets[self.next_launch])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self.next_launch += 1
+        bucket.launched = True
+        with torch.no_grad():
+            self._fill(bucket)
+            if bucket.flags is not None:
+                # The last bucket launches after every other one, so every use of this window is known here.
+                if self.num_used == len(self.params):
+                    bucket.flags.fill_(1)
+                else:
+                    bucket.flags.copy_(torch.tensor(self.used, dtype=bucket.flags.dtype))
+            if self.comm_hook is None:
+                # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
+                bucket.public.buffer().div_(self.comm.world_size)
+                bucket.work = self.comm.all_reduce(bucket.storage, f"bucket {bucket.public.index()}",
+                                                   async_op=True)
+            else:
+                bucket.future = self.comm_hook(self.comm_hook_state, bucket.public)
+                if not isinstance(bucket.future, torch._C.Future):
+                    raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")
+                if bucket.flags is not None:
+                    bucket.work = self.comm.all_reduce(bucket.flags, "parameter usage", async_op=True)
+
+    def _fill(self, bucket: _Bucket) -> None:
+        """Copy the current gradients of the bucket's parameters into its buffer (zeros where there is none)."""
+        dst, src = [], []
+        for i, view in zip(bucket.members, bucket.views):
+            grad = self.params[i].grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():  # a bucket view already holds its gradient in place
+                dst.append(view)
+                src.append(grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    # -- 4. finalize ---------------------------------------------------------------------------------------------
+    def _finalize(self) -> None:
+        self.armed = False
+        if not self.sync:
+            return  # no_sync: gradients stay local and keep accumulating; their uses are remembered
+        self.windows += 1
+        if self.learning:
+            self._build_buckets()
+        for bucket in self.buckets[self.next_launch:]:
+            self._launch(bucket)
+        last = self.buckets[-1]
+        results = [_wait(bucket) for bucket in self.buckets]
+        everywhere_used = None
+        if self.num_used < len(self.params):  # otherwise every parameter was used here, so somewhere
+            everywhere_used = (last.flags > 0).tolist()
+        with torch.no_grad():
+            for bucket, result in zip(self.buckets, results):
+                if result is not None and result is not bucket.public.buffer():
+                    bucket.public.buffer().copy_(result)
+                self._write_back(bucket, everywhere_used)
+        self.used = [False] * len(self.params)
+        self.num_used = 0
+
+    def _write_back(self, bucket: _Bucket, everywhere_used: list[bool] | None) -> None:
+        dst, src = [], []
+        for i, view in zip(bucket.members, bucket.views):
+            if everywhere_used is not None and not everywhere_used[i]:
+                continue  # no rank used it: its gradient stays as it was, None included
+            param = self.params[i]
+            if self.gradient_as_bucket_view:
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                dst.append(param.grad)
+                src.append(view)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _build_buckets(self) -> None:
+        """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
+        order = ready_order(self.fired_order, len(self.params))
+        if self.comm.distributed:
+            shared = torch.tensor(order, dtype=torch.int64)
+            self.comm.broadcast(shared, src=0, what="bucket order")
+            order = shared.tolist()
+        self.rebuilt_order = order
+        self.expected = [max(count, 1) for count in self.fires]
+        plan = plan_buckets(self.specs, order, self.cap_bytes, self.first_cap_bytes)
+        self.buckets = []
+        for b, members in enumerate(plan):
+            is_last = b == len(plan) - 1
+            self.buckets.append(_Bucket(b, members, self.params, self.comm, is_last,
+                                        len(self.params) if is_last else 0))
+            for i in members:
+                self.bucket_of[i] = b
+        self.next_launch = 0
+        self.learning = False
+        self.fired_order = []
+
+    # -- find_unused_parameters -------------------------------------------------------------------------------
+    def set_unreachable(self, unreachable: list[int]) -> None:
+        """Parameters the coming backward cannot reach: their buckets need not wait for them."""
+        self.unreachable = unreachable
+        self.unreachable_set = frozenset(unreachable)
+
+    def bucket_plan(self) -> list[list[str]]:
+        """The current buckets as lists of parameter names (empty until the first synchronised backward)."""
+        return [[self.names[i] for i in bucket.members] for bucket in self.buckets]
+
+
+def _wait(bucket: _Bucket) -> torch.Tensor | None:
+    """Wait for a launched bucket; the tensor a comm hook produced, or None for the built-in all-reduce."""
+    result = None
+    if bucket.future is not None:
+        result = bucket.future.wait()
+        bucket.future = None
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+    if bucket.work is not None:
+        bucket.work.wait()
+        bucket.work = None
+    return result
+

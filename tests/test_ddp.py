@@ -1,0 +1,353 @@
+"""DistributedDataParallel against single-process truth, on 1, 2 and 3 gloo ranks.
+
+Truth: one process holding the whole global batch computes the mean over ranks of each rank's shard loss
+(for plain models that is the loss of the concatenated batch). Gradients must agree to 1e-5, parameters after
+several optimizer steps too, and the replicas must be bitwise identical across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import models
+from spawn import run_world
+
+TOL = 1e-5
+SHARD = 4  # samples per rank
+STEPS = 4
+
+
+def _fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
+    """A hash of the parameters (and buffers: they differ between ranks after a forward, until the next)."""
+    digest = hashlib.sha256()
+    for name, tensor in list(module.named_parameters()) + (list(module.named_buffers()) if buffers else []):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _assert_close_grads(got: dict, want: dict, what: str) -> None:
+    for name in want:
+        g, w = got[name], want[name]
+        if w is None or g is None:
+            assert g is None and w is None, f"{what}: {name} grad None mismatch (got {g is None}, want {w is None})"
+            continue
+        err = (g - w).abs().max().item()
+        assert err <= TOL, f"{what}: {name} differs from single-process truth by {err:.3g}"
+
+
+def _truth_step(name, ref, x, y, world_size, step):
+    """One process on the whole batch: the mean over ranks of the shard losses."""
+    total = sum(models.loss(name, ref, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step)
+                for r in range(world_size))
+    (total / world_size).backward()
+
+
+def train_against_truth(world, name, ddp_kwargs):
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = models.make(name)
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model, **ddp_kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    r, n = world.rank, world.world_size
+    for step in range(STEPS):
+        x, y = models.batch(name, SHARD * n, seed=100 + step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        models.loss(name, ddp, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step).backward()
+        _truth_step(name, ref, x, y, n, step)
+        _assert_close_grads(_grads(ddp.module), _grads(ref), f"{name} step {step}")
+        opt.step()
+        ref_opt.step()
+    for (pname, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+        err = (p - q).abs().max().item()
+        assert err <= TOL, f"{name}: parameter {pname} differs after {STEPS} steps by {err:.3g}"
+    return {"fingerprint": _fingerprint(ddp.module), "plan": ddp.bucket_plan}
+
+
+def many_models(world, ddp_kwargs):
+    return {name: train_against_truth(world, name, ddp_kwargs)
+            for name in ("mlp", "convbn", "transformer", "branchy")}
+
+
+def _assert_replicas_identical(results):
+    for name in results[0]:
+        prints = {res[name]["fingerprint"] for res in results}
+        assert len(prints) == 1, f"{name}: replicas differ across ranks"
+        plans = [res[name]["plan"] for res in results]
+        assert all(plan == plans[0] for plan in plans), f"{name}: ranks built different bucket plans"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_single_process_truth(world_size):
+    # A tiny bucket cap puts the parameters into many buckets, so overlap and ordering are exercised.
+    results = run_world(many_models, world_size, args=({"bucket_cap_mb": 0.002},))
+    _assert_replicas_identical(results)
+    if world_size > 1:
+        assert len(results[0]["mlp"]["plan"]) > 1
+
+
+def test_truth_with_flags():
+    """find_unused_parameters, gradient_as_bucket_view and the default bucket size, on two ranks."""
+    for kwargs in ({"find_unused_parameters": True, "bucket_cap_mb": 0.002},
+                   {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002},
+                   {}):
+        _assert_replicas_identical(run_world(many_models, 2, args=(kwargs,)))
+
+
+# -- the cases where torch's DDP is silently wrong ---------------------------------------------------------------
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6)
+        self.layer = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x, uses=2):
+        h = self.inp(x)
+        for _ in range(uses):  # one layer run several times, each under reentrant checkpointing
+            h = checkpoint(lambda t: torch.tanh(self.layer(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def silent_cases(world):
+    import ddpkit
+
+    r, n = world.rank, world.world_size
+    report = {}
+
+    # (a) a parameter unused in the first iteration, default flags.
+    torch.manual_seed(1)
+    model = models.Branchy()
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+    for step in range(3):
+        x, y = models.batch("branchy", SHARD * n, seed=step)
+        for p in list(ddp.parameters()) + list(ref.parameters()):
+            p.grad = None
+        models.loss("branchy", ddp, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step).backward()
+        _truth_step("branchy", ref, x, y, n, step)
+        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(a) step {step}")
+    assert ddp.module.late_branch.weight.grad is not None
+    assert ddp.module.never.weight.grad is None
+    report["a"] = _fingerprint(ddp.module)
+
+    # (b) two forwards, then two separate backward() calls.
+    torch.manual_seed(2)
+    model = models.MLP()
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    for step in range(3):
+        x1, y1 = models.batch("mlp", SHARD * n, seed=10 + step)
+        x2, y2 = models.batch("mlp", SHARD * n, seed=20 + step)
+        for p in list(ddp.parameters()) + list(ref.parameters()):
+            p.grad = None
+        mine = slice(r * SHARD, (r + 1) * SHARD)
+        loss1 = models.loss("mlp", ddp, x1[mine], y1[mine], r, 0)
+        loss2 = models.loss("mlp", ddp, x2[mine], y2[mine], r, 0)
+        loss1.backward()
+        loss2.backward()
+        _truth_step("mlp", ref, x1, y1, n, 0)
+        _truth_step("mlp", ref, x2, y2, n, 0)
+        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(b) step {step}")
+    report["b"] = _fingerprint(ddp.module)
+
+    # (c) one layer run twice under reentrant activation checkpointing.
+    torch.manual_seed(3)
+    model = Checkpointed()
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0002)
+    for step in range(3):
+        g = torch.Generator().manual_seed(30 + step)
+        x, y = torch.randn(SHARD * n, 6, generator=g), torch.randint(0, 2, (SHARD * n,), generator=g)
+        for p in list(ddp.parameters()) + list(ref.parameters()):
+            p.grad = None
+        mine = slice(r * SHARD, (r + 1) * SHARD)
+        torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine]).backward()
+        truth = sum(torch.nn.functional.cross_entropy(ref(x[k * SHARD:(k + 1) * SHARD]),
+                                                      y[k * SHARD:(k + 1) * SHARD]) for k in range(n))
+        (truth / n).backward()
+        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(c) step {step}")
+    report["c"] = _fingerprint(ddp.module)
+    # A backward that uses the layer more often than the first iteration did must fail in that iteration,
+    # never reduce a stale bucket silently.
+    x = torch.randn(SHARD, 6)
+    try:
+        ddp(x, uses=3).sum().backward()
+        report["c_changed"] = "no error"
+    except RuntimeError as exc:
+        report["c_changed"] = str(exc)
+    return report
+
+
+def test_cases_where_torch_is_silently_wrong():
+    results = run_world(silent_cases, 2)
+    for case in "abc":
+        assert results[0][case] == results[1][case], f"case ({case}): replicas diverged"
+    for res in results:
+        # Either the extra use arrived in time (and was reduced) or it raised a clear error naming the layer.
+        assert res["c_changed"] == "no error" or "layer.weight" in res["c_changed"] \
+            or "layer.bias" in res["c_changed"], res["c_changed"]
+
+
+# -- accumulation, buffers, init, model checks --------------------------------------------------------------------
+def accumulation_and_buffers(world):
+    import ddpkit
+
+    r, n = world.rank, world.world_size
+    mine = slice(r * SHARD, (r + 1) * SHARD)
+    out = {}
+    for mode in ("no_sync", "flag"):
+        torch.manual_seed(4)
+        model = models.MLP()
+        ref = copy.deepcopy(model)
+        ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        for step in range(2):
+            for p in list(ddp.parameters()) + list(ref.parameters()):
+                p.grad = None
+            micro = [models.batch("mlp", SHARD * n, seed=40 + 3 * step + k) for k in range(3)]
+            for k, (x, y) in enumerate(micro):
+                last = k == len(micro) - 1
+                if mode == "no_sync" and not last:
+                    with ddp.no_sync():
+                        models.loss("mlp", ddp, x[mine], y[mine], r, 0).backward()
+                else:
+                    ddp.require_backward_grad_sync = last
+                    models.loss("mlp", ddp, x[mine], y[mine], r, 0).backward()
+                if not last:  # still local: each rank holds only its own shard's gradient
+                    out.setdefault(f"{mode}_local", []).append(ddp.module.net[0].weight.grad.sum().item())
+                _truth_step("mlp", ref, x, y, n, 0)
+            _assert_close_grads(_grads(ddp.module), _grads(ref), f"accumulation ({mode}) step {step}")
+        out[mode] = _fingerprint(ddp.module)
+
+    # Init broadcast: every rank builds its model from another seed; rank 0's weights win.
+    torch.manual_seed(100 + r)
+    model = models.ConvBN()
+    with torch.no_grad():
+        model.bn1.running_mean.fill_(float(r))
+    ddp = ddpkit.DistributedDataParallel(model)
+    out["init"] = _fingerprint(ddp.module, buffers=True)
+    # Buffers: each rank's running statistics drift apart in its own forward; at the start of every forward
+    # that has grad enabled they are rank 0's again.
+    seen = []
+    handle = ddp.module.register_forward_pre_hook(lambda mod, args: seen.append(mod.bn1.running_mean.clone()))
+    for step in range(2):
+        x, _ = models.batch("convbn", SHARD, seed=50 + step + 10 * r)
+        ddp(x).sum().backward()
+    with torch.no_grad():
+        ddp.module.bn1.running_mean.add_(float(r))  # no broadcast in no-grad forwards
+        ddp(x)
+    handle.remove()
+    out["buffers_seen"] = [t.tolist() for t in seen]
+    return out
+
+
+def test_accumulation_buffers_and_init():
+    results = run_world(accumulation_and_buffers, 2)
+    a, b = results
+    for mode in ("no_sync", "flag"):
+        assert a[mode] == b[mode], f"{mode}: replicas diverged"
+        assert a[f"{mode}_local"] != b[f"{mode}_local"], f"{mode}: gradients were synchronised inside no_sync"
+    assert a["init"] == b["init"]
+    assert a["buffers_seen"][:2] == b["buffers_seen"][:2]
+    assert a["buffers_seen"][2] != b["buffers_seen"][2]
+
+
+def mismatched_model(world):
+    import ddpkit
+
+    hidden = 32 if world.rank != 1 else 31
+    ddpkit.DistributedDataParallel(models.MLP(hidden=hidden))
+    return "constructed"
+
+
+def test_model_mismatch_fails_on_every_rank():
+    outcomes = run_world(mismatched_model, 3, expect_errors=True, deadline_s=60)
+    for status, text in outcomes:
+        assert status == "error", "a rank built a DDP over a mismatched model"
+        assert "rank 1" in text and "net.0.weight" in text and "[31, 12]" in text, text
+
+
+# -- comm hooks ---------------------------------------------------------------------------------------------------
+def comm_hooks(world):
+    import ddpkit
+    from ddpkit import hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+
+    r, n = world.rank, world.world_size
+    mine = slice(r * SHARD, (r + 1) * SHARD)
+    errors = {}
+    for label, state, hook, tol in (("allreduce", None, hooks.allreduce_hook, TOL),
+                                    ("fp16", None, hooks.fp16_compress_hook, 2e-3),
+                                    ("bf16", None, hooks.bf16_compress_hook, 2e-2),
+                                    ("torch_allreduce", None, torch_hooks.allreduce_hook, TOL)):
+        torch.manual_seed(5)
+        model = models.MLP()
+        ref = copy.deepcopy(model)
+        ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        ddp.register_comm_hook(state, hook)
+        worst = 0.0
+        for step in range(2):
+            x, y = models.batch("mlp", SHARD * n, seed=60 + step)
+            for p in list(ddp.parameters()) + list(ref.parameters()):
+                p.grad = None
+            models.loss("mlp", ddp, x[mine], y[mine], r, 0).backward()
+            _truth_step("mlp", ref, x, y, n, 0)
+            for p, q in zip(ddp.module.parameters(), ref.parameters()):
+                worst = max(worst, ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item())
+        assert worst <= tol, f"{label}: relative error {worst:.3g} over {tol}"
+        errors[label] = (worst, _fingerprint(ddp.module))
+        with pytest.raises(RuntimeError, match="only once"):
+            ddp.register_comm_hook(None, hook)
+    return errors
+
+
+def test_comm_hooks():
+    a, b = run_world(comm_hooks, 2)
+    for label in a:
+        assert a[label][1] == b[label][1], f"{label}: replicas diverged"
+    assert a["fp16"][0] > 0, "fp16 compression changed nothing: the hook did not run"
+
+
+# -- construction errors (no processes needed) --------------------------------------------------------------------
+def test_meaningless_arguments_fail_clearly():
+    import ddpkit
+
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ddpkit.DistributedDataParallel(models.MLP(), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="device_ids"):
+        ddpkit.DistributedDataParallel(models.MLP(), device_ids=[0])
+    with pytest.raises(ValueError, match="output_device"):
+        ddpkit.DistributedDataParallel(models.MLP(), output_device=0)
+    frozen = models.MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="requires a gradient"):
+        ddpkit.DistributedDataParallel(frozen)
+    with pytest.raises(TypeError, match="mixed_precision"):
+        ddpkit.DistributedDataParallel(models.MLP(), mixed_precision=object())
+
+
+def test_world_of_one_is_a_thin_wrapper():
+    """No process group at all: the wrapper still works and its state_dict has torch's keys."""
+    import ddpkit
+
+    model = models.MLP()
+    ddp = ddpkit.DistributedDataParallel(model)
+    torch_keys = ["module." + k for k in model.state_dict()]
+    assert list(ddp.state_dict()) == torch_keys
+    x, y = models.batch("mlp", 4, 0)
+    with ddp.no_sync():
+        models.loss("mlp", ddp, x, y, 0, 0).backward()
+    assert ddp.module is model and model.net[0].weight.grad is not None
+    assert ddp.reducer is None
