@@ -1,0 +1,124 @@
+"""Reading the launcher's environment, choosing a backend, the world of one, and collective timeouts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.env import LaunchError, backend_for_device, check_backend, read_launch_env, to_timeout
+from spawn import run_world
+
+
+def test_torchrun_variables():
+    info = read_launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+    assert (info.master_addr, info.master_port, info.launcher, info.agent_store) == ("10.0.0.1", 29500,
+                                                                                     "torchrun", True)
+
+
+def test_torchrun_wins_over_slurm_and_slurm_over_mpi():
+    both = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert read_launch_env(both).launcher == "torchrun"
+    del both["RANK"], both["WORLD_SIZE"]
+    assert read_launch_env(both).launcher == "slurm"
+
+
+def test_slurm_variables():
+    info = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                            "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "gpu[03-05,09],cpu1",
+                            "SLURM_JOB_ID": "1234"})
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 4)
+    assert info.master_addr == "gpu03" and info.master_port == 15000 + 1234
+    assert info.launcher == "slurm" and not info.agent_store
+
+
+def test_mpi_variables():
+    info = read_launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
+    assert (info.rank, info.world_size, info.local_rank, info.launcher) == (2, 3, 0, "mpi")
+    assert read_launch_env({"PMI_RANK": "1", "PMI_SIZE": "2"}).world_size == 2
+
+
+def test_no_launcher_is_a_world_of_one():
+    info = read_launch_env({})
+    assert (info.rank, info.world_size, info.launcher) == (0, 1, "none")
+
+
+def test_accelerate_without_multi_gpu_warns_loudly():
+    with pytest.warns(RuntimeWarning, match="only ONE training process"):
+        info = read_launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert info.world_size == 1
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside the world"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "world size must be >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "local rank 3"),
+])
+def test_bad_environment_is_named(environ, message):
+    with pytest.raises(LaunchError, match=message):
+        read_launch_env(environ)
+
+
+def test_backends():
+    assert backend_for_device("cpu") == "gloo" and backend_for_device("cuda") == "nccl"
+    assert backend_for_device("xpu") == "xccl" and backend_for_device("npu") == "hccl"
+    assert backend_for_device("mlu") == "cncl"
+    assert "gloo" in ddpkit.available_backends()
+    with pytest.raises(ValueError, match="unknown backend 'glue'.*available on this machine: gloo"):
+        check_backend("glue")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="nccl.*needs CUDA.*available on this machine"):
+            check_backend("nccl")
+
+
+def test_timeouts():
+    assert to_timeout(None).total_seconds() == 1800
+    assert to_timeout(2.5).total_seconds() == 2.5
+    with pytest.raises(ValueError, match="positive"):
+        to_timeout(0)
+
+
+def test_world_of_one_without_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    world = ddpkit.init_process_group()
+    try:
+        assert (world.rank, world.world_size, world.is_main, world.device.type) == (0, 1, True, "cpu")
+        comm = ddpkit.Comm()
+        t = torch.ones(3)
+        comm.all_reduce(t)
+        assert t.tolist() == [1, 1, 1]
+        assert comm.all_gather_object({"a": 1}) == [{"a": 1}]
+        ddpkit.barrier(world)
+        with ddpkit.main_process_first(world):
+            pass
+    finally:
+        ddpkit.destroy_process_group()
+
+
+def late_rank(world):
+    """Rank 1 never joins the all-reduce: rank 0 must get an error at the timeout, not hang."""
+    comm = ddpkit.Comm()
+    if world.rank == 0:
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(1))
+        except Exception as exc:  # gloo raises a RuntimeError-like DistBackendError
+            return ("raised", time.monotonic() - start, type(exc).__name__)
+        return ("returned", time.monotonic() - start, "")
+    time.sleep(6)
+    return ("slept", 0.0, "")
+
+
+def test_collective_timeout_raises():
+    rank0, _ = run_world(late_rank, 2, collective_timeout_s=2, deadline_s=60)
+    assert rank0[0] == "raised", rank0
+    assert rank0[1] < 5, f"the 2 s timeout took {rank0[1]:.1f} s to fire"
