@@ -27,7 +27,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeout_s):
+def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeout_s, backend):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -37,7 +37,8 @@ def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeou
     import ddpkit
 
     try:
-        world = ddpkit.init_process_group(backend="gloo", timeout=collective_timeout_s)
+        world = ddpkit.init_process_group(backend=backend, timeout=collective_timeout_s,
+                                          device_type="cuda" if backend == "nccl" else "cpu")
         try:
             value = fn(world, *args)
         finally:
@@ -49,17 +50,19 @@ def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeou
 
 def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env: dict | None = None,
               deadline_s: float = DEFAULT_DEADLINE_S, collective_timeout_s: float = 60.0,
-              expect_errors: bool = False) -> list[Any]:
+              expect_errors: bool = False, backend: str = "gloo", start_method: str | None = None) -> list[Any]:
     """Results of `fn(world, *args)` on each rank, in rank order.
 
     expect_errors=True returns the per-rank outcome instead of failing: ("ok", value) or ("error", text).
     """
-    method = os.environ.get("DDPKIT_TEST_START_METHOD", "fork")
+    # fork starts a rank in a fraction of a second (torch is already imported); spawn is for CUDA.
+    method = start_method or os.environ.get("DDPKIT_TEST_START_METHOD", "fork")
     ctx = mp.get_context(method)
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(fn, rank, world_size, port, args, env or {}, results, collective_timeout_s))
+                         args=(fn, rank, world_size, port, args, env or {}, results, collective_timeout_s,
+                               backend))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
