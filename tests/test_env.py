@@ -122,3 +122,32 @@ def test_collective_timeout_raises():
     rank0, _ = run_world(late_rank, 2, collective_timeout_s=2, deadline_s=60)
     assert rank0[0] == "raised", rank0
     assert rank0[1] < 5, f"the 2 s timeout took {rank0[1]:.1f} s to fire"
+
+
+def _launch_env(port: int, rank: int = 0, world_size: int = 2) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def test_port_in_use_is_named(monkeypatch):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        environ = _launch_env(port)
+        monkeypatch.setattr("os.environ", {**environ})
+        with pytest.raises(LaunchError, match=f"MASTER_PORT {port} is already in use"):
+            ddpkit.init_process_group(backend="gloo", environ=environ, join_timeout=5)
+
+
+def test_world_size_larger_than_the_processes_started(monkeypatch):
+    from ddpkit.env import free_port
+
+    environ = _launch_env(free_port(), world_size=3)
+    monkeypatch.setattr("os.environ", {**environ})  # env:// reads the same variables
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="WORLD_SIZE"):
+        ddpkit.init_process_group(backend="gloo", environ=environ, join_timeout=2)
+    assert time.monotonic() - start < 30

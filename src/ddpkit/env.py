@@ -19,6 +19,7 @@ import datetime
 import os
 import re
 import socket
+import time
 import warnings
 from collections.abc import Mapping
 
@@ -48,6 +49,7 @@ class LaunchInfo:
     master_port: int | None = None
     launcher: str = "none"  # torchrun, slurm, mpi, or none
     agent_store: bool = False  # torchrun's agent owns MASTER_PORT: connect through env://, never bind it
+    restart: int = 0  # how often torchelastic restarted the workers (TORCHELASTIC_RESTART_COUNT)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -132,6 +134,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             master_port=port,
             launcher="torchrun",
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            restart=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
@@ -258,11 +261,14 @@ def init_process_group(
     timeout: float | datetime.timedelta | None = None,
     device_type: str | None = None,
     environ: Mapping[str, str] | None = None,
+    join_timeout: float | datetime.timedelta | None = None,
 ) -> DistEnv:
     """Join the world the launcher described, pin this process to its device and return the world.
 
     backend: nccl, gloo, xccl, hccl, cncl, or None to pick by device (cuda->nccl, cpu->gloo, ...).
     timeout: seconds (or a timedelta) after which any collective raises instead of hanging.
+    join_timeout: how long to wait for every process of the world to arrive (default: `timeout`); past it,
+    a clear error says how many arrived.
     An existing default process group (made by accelerate, say) is adopted as it is.
     """
     info = read_launch_env(environ)
@@ -281,21 +287,60 @@ def init_process_group(
     if info.world_size == 1 and info.launcher == "none":
         # A world of one needs no rendezvous: an in-memory store, no port, and every collective still works.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    elif info.launcher == "torchrun":
+    else:
+        store = _rendezvous(info, to_timeout(join_timeout) if join_timeout is not None else timeout)
+        store.set_timeout(timeout)
+        dist.init_process_group(store=store, rank=info.rank, world_size=info.world_size, **kwargs)
+    return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
+                   info.launcher)
+
+
+def _rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store:
+    """Meet the other processes through torch's rendezvous (TCPStore) and check that all of them came."""
+    if info.launcher == "torchrun":
         # env:// reads MASTER_ADDR/PORT itself; under TORCHELASTIC_USE_AGENT_STORE it connects to the agent's
         # store as a client and never binds the port, which the agent already holds.
         if not info.agent_store and (info.master_addr is None or info.master_port is None):
             raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
                               "set both, or start the job with ddpkit launch or torchrun")
-        dist.init_process_group(init_method="env://", rank=info.rank, world_size=info.world_size, **kwargs)
+        url = "env://"
     else:
         if info.master_addr is None or info.master_port is None:
             raise LaunchError(f"the {info.launcher} environment gives rank {info.rank} of {info.world_size} but no "
                               "MASTER_ADDR/MASTER_PORT; export both to the address and a free port of rank 0's host")
-        dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
-                                world_size=info.world_size, **kwargs)
-    return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
-                   info.launcher)
+        url = f"tcp://{info.master_addr}:{info.master_port}"
+    where = f"{info.master_addr}:{info.master_port}"
+    try:
+        store, _, _ = next(dist.rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=join_timeout))
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+        text = str(exc)
+        if "address already in use" in text.lower() or "EADDRINUSE" in text:
+            raise LaunchError(f"MASTER_PORT {info.master_port} is already in use on {info.master_addr}: another "
+                              "job or a stale process holds it. Pick a free port (MASTER_PORT, --master-port), "
+                              "or let ddpkit launch choose one") from exc
+        if "waiting for clients" in text or "timed out" in text.lower():
+            raise LaunchError(f"not every process of the world arrived at {where} within "
+                              f"{join_timeout.total_seconds():g} s ({text.strip()}). WORLD_SIZE is "
+                              f"{info.world_size}: start exactly that many processes (ddpkit launch "
+                              "--nproc-per-node N), or check that every node can reach MASTER_ADDR") from exc
+        raise
+    _wait_for_everyone(store, info, join_timeout)
+    return store
+
+
+def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: datetime.timedelta) -> None:
+    """Every process counts itself in; too few within the join timeout is a launch error. (Too many cannot be
+    told from a second init in the same job: a rank >= WORLD_SIZE is caught when the environment is read.)"""
+    key = f"ddpkit/joined/{info.restart}"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + join_timeout.total_seconds()
+    while arrived < info.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
+    if arrived < info.world_size:
+        raise LaunchError(f"only {arrived} of the {info.world_size} processes that WORLD_SIZE announces joined "
+                          f"within {join_timeout.total_seconds():g} s. Start exactly WORLD_SIZE processes "
+                          "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE")
 
 
 def single_process_env(device: torch.device | str = "cpu") -> DistEnv:
