@@ -27,7 +27,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeout_s, backend):
+def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeout_s, backend, stall_seconds):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -38,7 +38,8 @@ def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeou
 
     try:
         world = ddpkit.init_process_group(backend=backend, timeout=collective_timeout_s,
-                                          device_type="cuda" if backend == "nccl" else "cpu")
+                                          device_type="cuda" if backend == "nccl" else "cpu",
+                                          stall_seconds=stall_seconds)
         try:
             value = fn(world, *args)
         finally:
@@ -50,7 +51,8 @@ def _rank_main(fn, rank, world_size, port, args, env, results, collective_timeou
 
 def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env: dict | None = None,
               deadline_s: float = DEFAULT_DEADLINE_S, collective_timeout_s: float = 60.0,
-              expect_errors: bool = False, backend: str = "gloo", start_method: str | None = None) -> list[Any]:
+              expect_errors: bool = False, backend: str = "gloo", start_method: str | None = None,
+              stall_seconds: float | None = None) -> list[Any]:
     """Results of `fn(world, *args)` on each rank, in rank order.
 
     expect_errors=True returns the per-rank outcome instead of failing: ("ok", value) or ("error", text).
@@ -62,7 +64,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(fn, rank, world_size, port, args, env or {}, results, collective_timeout_s,
-                               backend))
+                               backend, stall_seconds))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ddpkit
+import ddpkit.env
 from ddpkit.env import LaunchError, backend_for_device, check_backend, read_launch_env, to_timeout
 from spawn import run_world
 
@@ -139,7 +140,7 @@ def test_port_in_use_is_named(monkeypatch):
         environ = _launch_env(port)
         monkeypatch.setattr("os.environ", {**environ})
         with pytest.raises(LaunchError, match=f"MASTER_PORT {port} is already in use"):
-            ddpkit.init_process_group(backend="gloo", environ=environ, join_timeout=5)
+            ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=5)
 
 
 def test_world_size_larger_than_the_processes_started(monkeypatch):
@@ -149,5 +150,5 @@ def test_world_size_larger_than_the_processes_started(monkeypatch):
     monkeypatch.setattr("os.environ", {**environ})  # env:// reads the same variables
     start = time.monotonic()
     with pytest.raises(LaunchError, match="WORLD_SIZE"):
-        ddpkit.init_process_group(backend="gloo", environ=environ, join_timeout=2)
+        ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=2)
     assert time.monotonic() - start < 30

@@ -5,15 +5,14 @@
     sampler = ddpkit.DistributedSampler(dataset)
 """
 
-from .comm import Comm, barrier, main_process_first
-from .ddp import DistributedDataParallel
+from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
+from .ddp import DistributedDataParallel, ReplicaDivergenceError
+from .monitor import PeerFailedError, StallError
 from .env import (
     DistEnv,
     LaunchError,
     LaunchInfo,
     available_backends,
-    destroy_process_group,
-    init_process_group,
     read_launch_env,
 )
 
@@ -31,4 +30,7 @@ __all__ = [
     "init_process_group",
     "main_process_first",
     "read_launch_env",
+    "StallError",
+    "ReplicaDivergenceError",
+    "PeerFailedError",
 ]

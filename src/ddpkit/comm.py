@@ -2,6 +2,8 @@
 
 Every collective goes through a `Comm`, which numbers it and remembers what it was for (iteration, bucket,
 bytes), so that a stall or an order mismatch can be explained by naming the collective, not just timed out.
+Collectives on one process group form one sequence on every rank, so there is one `Comm` per group
+(`Comm.for_group`): a single counter is what makes sequence numbers comparable across ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import env
 from .env import DistEnv
+from .monitor import StallError, StallMonitor
 
 # Tensors are broadcast in flat chunks of at most this size; torch uses the same 250 MiB for its init broadcast.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -43,19 +47,84 @@ class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None, log_size: int = 64):
         self.group = group
         self.active = dist.is_available() and dist.is_initialized()
+        self.pg = (group or dist.distributed_c10d._get_default_group()) if self.active else None
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.backend = dist.get_backend(group) if self.active else "none"
         self.seq = 0
         self.log: collections.deque[CollectiveRecord] = collections.deque(maxlen=log_size)
+        self.monitor: StallMonitor | None = None
+
+    _shared: dict[int, Comm] = {}
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup | None = None) -> Comm:
+        """The one Comm of `group` (None: the default group) in this process."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(group)
+        pg = group or dist.distributed_c10d._get_default_group()
+        comm = cls._shared.get(id(pg))
+        if comm is None or comm.pg is not pg:  # a new process group where an old one was
+            comm = cls._shared[id(pg)] = cls(group)
+        return comm
 
     @property
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
 
-    def _record(self, op: str, what: str, nbytes: int) -> None:
+    def start_monitor(self, threshold_s: float) -> StallMonitor | None:
+        """Explain collectives that wait longer than `threshold_s` (see ddpkit.monitor)."""
+        if self.monitor is None and self.distributed:
+            store = dist.distributed_c10d._get_default_store()
+            self.monitor = StallMonitor(store, self.rank, self.world_size, threshold_s,
+                                        prefix=f"{dist.get_process_group_ranks(self.pg)[0]}-{self.world_size}/")
+        return self.monitor
+
+    def stop_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+    def _record(self, op: str, what: str, nbytes: int) -> CollectiveRecord:
         self.seq += 1
-        self.log.append(CollectiveRecord(self.seq, op, what, nbytes, time.monotonic()))
+        record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic())
+        self.log.append(record)
+        return record
+
+    @contextlib.contextmanager
+    def _blocking(self, record: CollectiveRecord) -> Iterator[None]:
+        """Around every wait: tell the monitor, and turn a timeout into an explanation of the stall."""
+        monitor = self.monitor
+        if monitor is not None:
+            monitor.enter(record.seq, record.op, record.what)
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            waited = time.monotonic() - record.started
+            if monitor is None or isinstance(exc, StallError) or (
+                    waited < monitor.threshold_s and "timed out" not in str(exc).lower()):
+                raise  # not a stall: a bad argument, or a peer that failed fast
+            try:
+                explanation = monitor.diagnosis or monitor.explain()
+            except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+                explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
+            raise StallError(f"{explanation}\n(the collective failed with: {exc})") from exc
+        finally:
+            if monitor is not None:
+                monitor.leave(record.seq, record.op, record.what)
+
+    def wait(self, pending: Any) -> Any:
+        """Wait for an asynchronous collective (a Work from `all_reduce(async_op=True)` or a Future)."""
+        if isinstance(pending, Pending):
+            with self._blocking(pending.record):
+                pending.work.wait()
+            return None
+        if isinstance(pending, torch._C.Future):
+            record = self.log[-1] if self.log else CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
+            with self._blocking(record):
+                return pending.wait()
+        pending.wait()
+        return None
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank `group_rank` (collectives take global ranks as src)."""
@@ -66,23 +135,38 @@ class Comm:
     # -- tensors ------------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, what: str = "", async_op: bool = False,
                    op: dist.ReduceOp = dist.ReduceOp.SUM):
-        """Sum (by default) `tensor` in place over the group. async_op=True returns the Work to wait on."""
-        self._record("all_reduce", what, tensor.numel() * tensor.element_size())
+        """Sum (by default) `tensor` in place over the group. async_op=True returns what `wait` takes."""
+        record = self._record("all_reduce", what, tensor.numel() * tensor.element_size())
         if not self.distributed:
             return _DoneWork(tensor) if async_op else None
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        if async_op:
+            return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record)
+        with self._blocking(record):
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return None
 
     def all_reduce_future(self, tensor: torch.Tensor, what: str = "") -> torch.futures.Future:
         """Sum `tensor` in place; a Future whose value is the tensor (the shape comm hooks return)."""
         work = self.all_reduce(tensor, what, async_op=True)
         if isinstance(work, _DoneWork):
             return work.get_future()
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return work.work.get_future().then(lambda fut: fut.value()[0])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
-        self._record("broadcast", what, tensor.numel() * tensor.element_size())
+        record = self._record("broadcast", what, tensor.numel() * tensor.element_size())
         if self.distributed:
-            dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
+            with self._blocking(record):
+                dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
+
+    def all_gather(self, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """Every rank's `tensor` stacked along a new first dimension, in rank order."""
+        record = self._record("all_gather", what, tensor.numel() * tensor.element_size() * self.world_size)
+        if not self.distributed:
+            return tensor.unsqueeze(0).clone()
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._blocking(record):
+            dist.all_gather(out, tensor.contiguous(), group=self.group)
+        return torch.stack(out)
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0, what: str = "") -> None:
         """Broadcast many tensors from `src` in place, flattened into few messages (one per dtype and device)."""
@@ -103,31 +187,45 @@ class Comm:
     # -- Python objects -----------------------------------------------------------------------------------------
     def all_gather_object(self, obj: Any, what: str = "") -> list[Any]:
         """Every rank's `obj`, in rank order."""
-        self._record("all_gather_object", what, len(pickle.dumps(obj)))
+        record = self._record("all_gather_object", what, len(pickle.dumps(obj)))
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._blocking(record):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0, what: str = "") -> Any:
         """`src`'s `obj` on every rank."""
-        self._record("broadcast_object", what, 0)
+        record = self._record("broadcast_object", what, 0)
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        with self._blocking(record):
+            dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
         return box[0]
 
     def barrier(self, what: str = "", device: torch.device | None = None) -> None:
         """Wait for every rank of the group."""
-        self._record("barrier", what, 0)
+        record = self._record("barrier", what, 0)
         if not self.distributed:
             return
-        if self.backend == "nccl" and device is not None and device.type == "cuda":
-            dist.barrier(group=self.group, device_ids=[device.index])
-        else:
-            dist.barrier(group=self.group)
+        with self._blocking(record):
+            if self.backend == "nccl" and device is not None and device.type == "cuda":
+                dist.barrier(group=self.group, device_ids=[device.index])
+            else:
+                dist.barrier(group=self.group)
+
+
+@dataclasses.dataclass
+class Pending:
+    """An asynchronous collective in flight; `Comm.wait` waits for it."""
+
+    work: Any
+    record: CollectiveRecord
+
+    def wait(self) -> None:
+        self.work.wait()
 
 
 class _DoneWork:
@@ -162,9 +260,30 @@ def _chunks(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.
         yield chunk
 
 
-def barrier(world: DistEnv | None = None) -> None:
+def init_process_group(backend: str | None = None, timeout: float | None = None, device_type: str | None = None,
+                       join_timeout: float | None = None, stall_seconds: float | None = None) -> DistEnv:
+    """Join the launcher's world (see `ddpkit.env.init_process_group`) and start the stall inspector.
+
+    stall_seconds: a collective waiting longer than this is explained (who never arrived, and where);
+    default: a fifth of the timeout, at most 5 minutes; 0 turns the inspector off.
+    """
+    world = env.init_process_group(backend, timeout, device_type, join_timeout=join_timeout)
+    if world.world_size > 1 and stall_seconds != 0:
+        threshold = stall_seconds if stall_seconds is not None else min(world.timeout.total_seconds() / 5, 300.0)
+        Comm.for_group(None).start_monitor(threshold)
+    return world
+
+
+def destroy_process_group() -> None:
+    """Stop the stall inspector and leave the world; a no-op without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        Comm.for_group(None).stop_monitor()
+    env.destroy_process_group()
+
+
+def barrier(world: DistEnv | None = None, what: str = "barrier") -> None:
     """Wait for every rank of the default group; a no-op in a world of one or without a process group."""
-    Comm().barrier("barrier", world.device if world is not None else None)
+    Comm.for_group(None).barrier(what, world.device if world is not None else None)
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ class DistributedDataParallel(nn.Module):
         if not named:
             raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires "
                              "a gradient; this one has none, so there is nothing to synchronise")
-        self._comm = Comm(process_group)
+        self._comm = Comm.for_group(process_group)
         self.process_group = process_group
         self._buffers_to_sync = [b for b in module.buffers()] if self.broadcast_buffers else []
         if self._comm.distributed:
@@ -164,10 +164,36 @@ class DistributedDataParallel(nn.Module):
         raise NotImplementedError("uneven inputs through join() are not supported yet; give every rank the same "
                                   "number of batches (ddpkit.DistributedSampler does) or use ddpkit's Trainer")
 
+    def check_replicas(self, what: str = "replica check") -> None:
+        """Fail on every rank, naming the first diverging rank and parameter, if any replica differs from rank 0's.
+
+        Costs one all-gather of two float64 numbers per parameter (a sum and a sum of squares, compared bit for
+        bit); cheap enough to run every few hundred steps.
+        """
+        if self.reducer is None:
+            return
+        named = [(n, p) for n, p in self.module.named_parameters()]
+        with torch.no_grad():
+            prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
+        every = self._comm.all_gather(prints.view(torch.int64), what).cpu()
+        for rank in range(1, every.shape[0]):
+            rows = (every[rank] != every[0]).any(dim=1).nonzero()
+            if len(rows):
+                name = named[int(rows[0])][0]
+                raise ReplicaDivergenceError(
+                    f"rank {rank}'s replica differs from rank 0's, first at parameter '{name}' "
+                    f"({len(rows)} parameter(s) differ). Something changed parameters on one rank only: an "
+                    "update outside backward/optimizer.step, a non-deterministic op applied to parameters, or "
+                    "a rank that skipped an optimizer step")
+
     @property
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (empty in a world of one or before the first backward)."""
         return self.reducer.bucket_plan() if self.reducer is not None else []
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The replicas of the model are no longer identical across ranks."""
 
 
 class _ArmBackward(torch.autograd.Function):

@@ -233,7 +233,7 @@ class Reducer:
     def _abandon(self) -> None:
         for bucket in self.buckets:
             if bucket.launched:
-                _wait(bucket)
+                self._wait(bucket)
         self.armed = False
 
     # -- 2. hook -------------------------------------------------------------------------------------------------
@@ -292,17 +292,17 @@ class Reducer:
                     bucket.flags.fill_(1)
                 else:
                     bucket.flags.copy_(torch.tensor(self.used, dtype=bucket.flags.dtype))
+            what = f"bucket {bucket.public.index()}, backward {self.windows + 1}"
             if self.comm_hook is None:
                 # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
                 bucket.public.buffer().div_(self.comm.world_size)
-                bucket.work = self.comm.all_reduce(bucket.storage, f"bucket {bucket.public.index()}",
-                                                   async_op=True)
+                bucket.work = self.comm.all_reduce(bucket.storage, what, async_op=True)
             else:
                 bucket.future = self.comm_hook(self.comm_hook_state, bucket.public)
                 if not isinstance(bucket.future, torch._C.Future):
                     raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")
                 if bucket.flags is not None:
-                    bucket.work = self.comm.all_reduce(bucket.flags, "parameter usage", async_op=True)
+                    bucket.work = self.comm.all_reduce(bucket.flags, f"parameter usage, {what}", async_op=True)
 
     def _fill(self, bucket: _Bucket) -> None:
         """Copy the current gradients of the bucket's parameters into its buffer (zeros where there is none)."""
@@ -328,7 +328,7 @@ class Reducer:
         for bucket in self.buckets[self.next_launch:]:
             self._launch(bucket)
         last = self.buckets[-1]
-        results = [_wait(bucket) for bucket in self.buckets]
+        results = [self._wait(bucket) for bucket in self.buckets]
         everywhere_used = None
         if self.num_used < len(self.params):  # otherwise every parameter was used here, so somewhere
             everywhere_used = (last.flags > 0).tolist()
@@ -389,16 +389,16 @@ class Reducer:
         return [[self.names[i] for i in bucket.members] for bucket in self.buckets]
 
 
-def _wait(bucket: _Bucket) -> torch.Tensor | None:
-    """Wait for a launched bucket; the tensor a comm hook produced, or None for the built-in all-reduce."""
-    result = None
-    if bucket.future is not None:
-        result = bucket.future.wait()
-        bucket.future = None
-        if isinstance(result, (list, tuple)):
-            result = result[0]
-    if bucket.work is not None:
-        bucket.work.wait()
-        bucket.work = None
-    return result
+    def _wait(self, bucket: _Bucket) -> torch.Tensor | None:
+        """Wait for a launched bucket; the tensor a comm hook produced, or None for the built-in all-reduce."""
+        result = None
+        if bucket.future is not None:
+            result = self.comm.wait(bucket.future)
+            bucket.future = None
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+        if bucket.work is not None:
+            self.comm.wait(bucket.work)
+            bucket.work = None
+        return result
 

@@ -1,0 +1,203 @@
+"""The stall inspector: which rank, which collective, which line, long before the timeout.
+
+Every rank runs one daemon thread that, about once a second, writes into the job's store (torch's TCPStore,
+which every rank already shares) what this rank is doing: the collective it waits in (sequence number,
+operation, what it is for), the last one it finished, and the Python stack of its main thread. When this rank
+has waited in one collective longer than `threshold_s`, the thread reads every rank's entry and explains the
+stall: the ranks that never arrived and where they are, or ranks that wait in a different collective at the
+same position (an order mismatch: a barrier inside `if rank == 0:`, say). The explanation is printed at once and
+raised with the timeout error when the collective finally gives up.
+
+A rank whose main thread dies with an exception posts its traceback; every other rank's thread sees it within
+a second, raises `PeerFailedError` in its main thread and, if that thread is stuck inside a collective, ends the
+process a few seconds later, so a crash never turns into a silent wait for the timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+# How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
+# stack capture a second cost well under 0.1% of a step.
+POLL_S = 1.0
+# After telling the main thread that a peer failed, how long it may take to stop by itself before we end it.
+PEER_FAILURE_GRACE_S = 5.0
+
+
+class StallError(RuntimeError):
+    """A collective timed out; the message says which ranks did not arrive and what they were doing."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the job failed; raised in this rank's main thread."""
+
+
+class StallMonitor:
+    """Publishes this rank's collective state to the store and explains stalls; one per process group."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, threshold_s: float, prefix: str = "",
+                 poll_s: float = POLL_S, exit_on_peer_failure: bool = True):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.threshold_s = threshold_s
+        self.prefix = f"ddpkit/monitor/{prefix}"
+        self.poll_s = poll_s
+        self.exit_on_peer_failure = exit_on_peer_failure
+        self.host = socket.gethostname()
+        self.main_thread = threading.main_thread()
+        self.waiting: tuple[int, str, str, float] | None = None  # (seq, op, what, since)
+        self.done_seq = 0
+        self.done_what = ""
+        self.diagnosis: str | None = None
+        self._explained_seq = -1
+        self._stop = threading.Event()
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        self._thread = threading.Thread(target=self._run, name=f"ddpkit-stall-monitor-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- called by Comm around every blocking wait --------------------------------------------------------------
+    def enter(self, seq: int, op: str, what: str) -> None:
+        self.waiting = (seq, op, what, time.monotonic())
+
+    def leave(self, seq: int, op: str, what: str) -> None:
+        self.waiting = None
+        self.done_seq = seq
+        self.done_what = f"{op} ({what})"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.poll_s)
+
+    # -- the thread ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._publish()
+                failed = self._failed_peer()
+                if failed is not None:
+                    self._on_peer_failure(*failed)
+                    return
+                waiting = self.waiting
+                if waiting is not None and waiting[0] != self._explained_seq \
+                        and time.monotonic() - waiting[3] > self.threshold_s:
+                    self._explained_seq = waiting[0]
+                    self.diagnosis = self.explain()
+                    print(f"[ddpkit rank {self.rank}] {self.diagnosis}", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001 - the store is gone with rank 0: the job is ending, and the
+                return  # monitor must never be what fails (nor retry into a flood of store warnings)
+
+    def _state(self) -> dict[str, Any]:
+        frame = sys._current_frames().get(self.main_thread.ident)
+        stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else ""
+        waiting = self.waiting
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
+                "waiting": None if waiting is None else {"seq": waiting[0], "op": waiting[1], "what": waiting[2],
+                                                         "for_s": round(time.monotonic() - waiting[3], 1)},
+                "done_seq": self.done_seq, "done_what": self.done_what, "stack": stack}
+
+    def _publish(self) -> None:
+        self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(self._state()))
+
+    def _states(self) -> dict[int, dict[str, Any] | None]:
+        found: dict[int, dict[str, Any] | None] = {}
+        for rank in range(self.world_size):
+            key = f"{self.prefix}state/{rank}"
+            found[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return found
+
+    def explain(self) -> str:
+        """What every rank is doing while this one waits: who never arrived, who called something else."""
+        me = self._state()
+        mine = me["waiting"]
+        if mine is None:
+            return "not waiting in any collective"
+        states = self._states()
+        states[self.rank] = me
+        lines = [f"rank {self.rank} has waited {mine['for_s']:.0f} s in collective #{mine['seq']} "
+                 f"{mine['op']} ({mine['what']})."]
+        absent, other = [], []
+        for rank, state in states.items():
+            if rank == self.rank:
+                continue
+            if state is None:
+                absent.append(rank)
+                lines.append(f"rank {rank} has not reported at all (it may not have started or may be hung "
+                             "outside Python)")
+                continue
+            theirs = state["waiting"]
+            if theirs is not None and theirs["seq"] == mine["seq"]:
+                if (theirs["op"], theirs["what"]) != (mine["op"], mine["what"]):
+                    other.append(rank)
+                    lines.append(f"ORDER MISMATCH: rank {rank} called {theirs['op']} ({theirs['what']}) as "
+                                 f"collective #{theirs['seq']} where rank {self.rank} called {mine['op']} "
+                                 f"({mine['what']})")
+                continue  # arrived at the same collective: not the culprit
+            if theirs is not None and theirs["seq"] > mine["seq"] or state["done_seq"] >= mine["seq"]:
+                other.append(rank)
+                where = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
+                    f"is past it (last finished #{state['done_seq']} {state['done_what']})"
+                lines.append(f"ORDER MISMATCH: rank {rank} {where}: it skipped collective #{mine['seq']} or "
+                             "called one more collective than this rank (a collective on some ranks only?)")
+                continue
+            absent.append(rank)
+            doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
+                f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
+            lines.append(f"rank {rank} (host {state['host']}, pid {state['pid']}) never arrived: it {doing}. "
+                         f"Its main thread is at:\n{_indent(state['stack'])}")
+        if absent:
+            lines.insert(1, f"ranks that never arrived: {absent}")
+        return "\n".join(lines)
+
+    # -- failures ------------------------------------------------------------------------------------------------
+    def _excepthook(self, kind, value, tb) -> None:
+        if not issubclass(kind, (KeyboardInterrupt, PeerFailedError)):
+            text = "".join(traceback.format_exception(kind, value, tb))
+            try:
+                self.store.set(f"{self.prefix}failed/{self.rank}", text)
+                self.store.add(f"{self.prefix}failures", 1)
+            except Exception:  # noqa: BLE001 - reporting must never mask the original error
+                pass
+        self._previous_excepthook(kind, value, tb)
+
+    def _failed_peer(self) -> tuple[int, str] | None:
+        if self.store.add(f"{self.prefix}failures", 0) == 0:
+            return None
+        for rank in range(self.world_size):
+            key = f"{self.prefix}failed/{rank}"
+            if rank != self.rank and self.store.check([key]):
+                return rank, self.store.get(key).decode(errors="replace")
+        return None
+
+    def _on_peer_failure(self, rank: int, text: str) -> None:
+        message = f"rank {rank} failed, so rank {self.rank} stops. Rank {rank}'s error:\n{_indent(text)}"
+        print(f"[ddpkit rank {self.rank}] {message}", file=sys.stderr, flush=True)
+        if not self.exit_on_peer_failure:
+            return
+        _raise_in_thread(self.main_thread, PeerFailedError)
+        self.main_thread.join(PEER_FAILURE_GRACE_S)
+        if self.main_thread.is_alive():  # stuck in a collective that will only end at the timeout
+            os._exit(1)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines())
+
+
+def _raise_in_thread(thread: threading.Thread, kind: type[BaseException]) -> None:
+    """Raise `kind` in `thread` the next time it runs Python code."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
