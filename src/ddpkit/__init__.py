@@ -8,6 +8,7 @@
 from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
 from .monitor import PeerFailedError, StallError
+from .sampler import DistributedSampler
 from .env import (
     DistEnv,
     LaunchError,
@@ -22,6 +23,7 @@ __all__ = [
     "Comm",
     "DistEnv",
     "DistributedDataParallel",
+    "DistributedSampler",
     "LaunchError",
     "LaunchInfo",
     "available_backends",
