@@ -74,7 +74,8 @@ def train_against_truth(world, name, ddp_kwargs):
     for (pname, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
         err = (p - q).abs().max().item()
         assert err <= TOL, f"{name}: parameter {pname} differs after {STEPS} steps by {err:.3g}"
-    return {"fingerprint": _fingerprint(ddp.module), "plan": ddp.bucket_plan}
+    early = None if ddp.reducer is None else (ddp.reducer.launched_during_backward, len(ddp.reducer.buckets))
+    return {"fingerprint": _fingerprint(ddp.module), "plan": ddp.bucket_plan, "early": early}
 
 
 def many_models(world, ddp_kwargs):
@@ -97,6 +98,11 @@ def test_single_process_truth(world_size):
     _assert_replicas_identical(results)
     if world_size > 1:
         assert len(results[0]["mlp"]["plan"]) > 1
+        for name in ("mlp", "convbn", "transformer"):
+            # Every parameter is used, so every bucket is launched while backward is still running.
+            launched, total = results[0][name]["early"]
+            assert launched == total, f"{name}: only {launched} of {total} buckets overlapped backward"
+        assert results[0]["transformer"]["early"][1] > 1
 
 
 def test_truth_with_flags():

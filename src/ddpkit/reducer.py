@@ -198,6 +198,7 @@ class Reducer:
         self.unreachable: list[int] = []
         self.unreachable_set: frozenset[int] = frozenset()
         self.windows = 0
+        self.launched_during_backward = 0  # buckets of the current/last window launched before its finalize
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
 
@@ -221,6 +222,7 @@ class Reducer:
         if sync:
             self.fires = [0] * len(self.params)
             self.next_launch = 0
+            self.launched_during_backward = 0
             for bucket in self.buckets:
                 bucket.pending = len(bucket.members)
                 bucket.launched = False
@@ -280,6 +282,7 @@ class Reducer:
         """Launch every complete bucket that is next in index order."""
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.buckets[self.next_launch])
+            self.launched_during_backward += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         self.next_launch += 1
