@@ -357,3 +357,8 @@ def test_world_of_one_is_a_thin_wrapper():
         models.loss("mlp", ddp, x, y, 0, 0).backward()
     assert ddp.module is model and model.net[0].weight.grad is not None
     assert ddp.reducer is None
+    # Code that unwraps torch's wrapper by type (accelerate, the Transformers Trainer) unwraps ours too.
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    assert ddp.broadcast_buffers is True and ddp.bucket_bytes_cap == 25 * 1024 * 1024
+    ddp.train(False)
+    assert not model.training

@@ -22,18 +22,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Comm
 from .reducer import DEFAULT_BUCKET_CAP_MB, CommHook, Reducer
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(TorchDDP):
     """Replicates `module` on every rank and averages its gradients during backward.
 
     The arguments are torch's, with the same meanings and defaults; `check_reduction` and `static_graph` are
     accepted for compatibility and change nothing (unused parameters and reentrant checkpointing are always
     handled; see the module docstring).
+
+    It subclasses torch's wrapper only so that code which asks `isinstance(model, DistributedDataParallel)`
+    (accelerate's and the Transformers Trainer's unwrapping, torch.distributed.checkpoint) treats it as one;
+    none of torch's engine runs: its constructor is skipped and every method that matters is ours.
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -42,20 +47,21 @@ class DistributedDataParallel(nn.Module):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, init_sync: bool = True, **unsupported: Any):
-        super().__init__()
+        nn.Module.__init__(self)  # not torch's constructor: its reducer is exactly what we replace
         if unsupported:
             raise TypeError(f"ddpkit's DistributedDataParallel does not support {sorted(unsupported)}; "
                             "drop them or use torch.nn.parallel.DistributedDataParallel")
         self.module = module
         self.device_ids, self.output_device = _check_devices(module, device_ids, output_device)
         self.dim = dim
-        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self._broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb}")
+        self.bucket_bytes_cap = int(self.bucket_cap_mb * 1024 * 1024)  # torch's name; torch.compile reads it
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -64,7 +70,7 @@ class DistributedDataParallel(nn.Module):
                              "a gradient; this one has none, so there is nothing to synchronise")
         self._comm = Comm.for_group(process_group)
         self.process_group = process_group
-        self._buffers_to_sync = [b for b in module.buffers()] if self.broadcast_buffers else []
+        self._buffers_to_sync = [b for b in module.buffers()] if self._broadcast_buffers else []
         if self._comm.distributed:
             _check_same_model(module, self._comm)
             if init_sync:
@@ -77,6 +83,14 @@ class DistributedDataParallel(nn.Module):
             self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
             self._reached: set[int] = set()
             self._reached_window = -1
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self._broadcast_buffers
+
+    def __getstate__(self):
+        raise TypeError("a DistributedDataParallel wrapper cannot be pickled (it holds a process group); "
+                        "pickle or save `model.module` instead")
 
     # -- the forward skeleton ------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
