@@ -1,0 +1,366 @@
+"""Training arguments: the Transformers names, defaults and meanings, parsed from the command line.
+
+    args = TrainingArguments(output_dir="out", learning_rate=3e-4)           # in code
+    args, = ArgumentParser(TrainingArguments).parse_args_into_dataclasses()  # python train.py --bf16 --max_steps 100
+    python train.py --help                                                   # every field with its one-line help
+
+Each field's help lives in its metadata and becomes its ``--help`` line, so the two cannot drift. Invalid values
+and contradictory combinations raise `ArgumentError` naming the field as soon as the dataclass is built, which
+is before any process group exists. This module imports nothing of ddpkit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES = ("no", "steps", "epoch")
+DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
+REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none
+
+
+class ArgumentError(ValueError):
+    """A training argument is invalid or contradicts another; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _field(default: Any, help: str, **metadata: Any) -> Any:
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclasses.dataclass
+class TrainingArguments:
+    """Hyper-parameters of one run. Sizes are per process ("per device") unless the help says global."""
+
+    output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")
+    per_device_train_batch_size: int = _field(8, "Training batch size per process (per data-parallel rank).")
+    per_device_eval_batch_size: int = _field(8, "Evaluation batch size per process.")
+    gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")
+    learning_rate: float = _field(5e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = _field(0.0, "AdamW decoupled weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = _field(0.9, "AdamW beta1.")
+    adam_beta2: float = _field(0.999, "AdamW beta2.")
+    adam_epsilon: float = _field(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    num_train_epochs: float = _field(3.0, "Epochs to train (a fraction stops part-way through the last one).")
+    max_steps: int = _field(-1, "Optimizer steps to train; > 0 overrides num_train_epochs, -1 uses epochs.")
+    lr_scheduler_type: str = _field("linear", "Learning-rate schedule after warmup.", choices=SCHEDULERS)
+    warmup_steps: int = _field(0, "Linear warmup steps from 0 to learning_rate; overrides warmup_ratio.")
+    warmup_ratio: float = _field(0.0, "Linear warmup as a fraction of the total optimizer steps.")
+    logging_steps: float = _field(500, "Log every N optimizer steps (a float < 1: a fraction of the total).")
+    eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
+    eval_steps: float | None = _field(None, "Evaluate every N optimizer steps; defaults to logging_steps.")
+    save_strategy: str = _field("steps", "When to checkpoint: no, steps (every save_steps) or epoch.",
+                                choices=STRATEGIES)
+    save_steps: float = _field(500, "Checkpoint every N optimizer steps (a float < 1: a fraction of the total).")
+    save_total_limit: int | None = _field(None, "Keep at most this many checkpoints, deleting the oldest.")
+    seed: int = _field(42, "Random seed set on every process at the start (model init, dropout).")
+    data_seed: int | None = _field(None, "Seed of the data shuffling; defaults to seed.")
+    dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
+    dataloader_drop_last: bool = _field(False, "Drop each process's last incomplete training batch.")
+    bf16: bool = _field(False, "Run forward passes under bfloat16 autocast (CPU and recent GPUs).")
+    gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
+                                                 "(calls model.gradient_checkpointing_enable()).")
+    resume_from_checkpoint: str | None = _field(None, "Checkpoint folder to resume from; 'true': the newest in "
+                                                      "output_dir.")
+    report_to: list[str] = _field(["none"], "Integrations to log to: tensorboard, all or none.")  # noqa: RUF009
+    disable_tqdm: bool | None = _field(None, "Hide the progress bar (shown on rank 0 by default).")
+    ddp_backend: str | None = _field(None, "Collective backend (nccl, gloo, ...); default: picked from the device.",
+                                     choices=DDP_BACKENDS)
+    ddp_timeout: float = _field(1800, "Seconds any collective may wait before it raises (on CPU too).")
+    ddp_find_unused_parameters: bool | None = _field(None, "DDP find_unused_parameters; default: False with "
+                                                           "gradient checkpointing, True otherwise.")
+    ddp_bucket_cap_mb: int | None = _field(None, "DDP gradient bucket size in MiB; default: DDP's own (25).")
+    ddp_broadcast_buffers: bool | None = _field(None, "DDP broadcast_buffers; default: False with gradient "
+                                                      "checkpointing, True otherwise.")
+    # ddpkit's own, not in Transformers:
+    ddp_stall_seconds: float | None = _field(None, "Seconds a collective may wait before ddpkit explains which "
+                                                   "ranks are missing and where; 0: off; default: ddp_timeout/5, "
+                                                   "at most 300.")
+    ddp_replica_check_steps: int = _field(500, "Every this many optimizer steps, check that every replica is "
+                                               "bitwise identical to rank 0's; 0: never.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        if self.report_to is None:
+            self.report_to = ["none"]
+        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "latest"):
+            self.resume_from_checkpoint = True  # type: ignore[assignment]  # the newest in output_dir
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(self, name)
+            if value >= 1:
+                setattr(self, name, int(value))
+        validate(self)
+
+    # -- derived values -----------------------------------------------------------------------------------------
+    def train_batch_size(self, world_size: int = 1) -> int:
+        """Global samples per optimizer step: per-device batch x processes x accumulation."""
+        return self.per_device_train_batch_size * world_size * self.gradient_accumulation_steps
+
+    def warmup_steps_for(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
+
+    def interval(self, name: str, total_steps: int) -> int:
+        """logging_steps, eval_steps or save_steps in optimizer steps (a fraction < 1 is of total_steps)."""
+        value = getattr(self, name)
+        return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        if self.ddp_find_unused_parameters is not None:
+            return self.ddp_find_unused_parameters
+        return not self.gradient_checkpointing
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        if self.ddp_broadcast_buffers is not None:
+            return self.ddp_broadcast_buffers
+        return not self.gradient_checkpointing
+
+    @property
+    def reporters(self) -> list[str]:
+        """The integrations to use: report_to with "all" expanded and "none" removed."""
+        if "all" in self.report_to:
+            return list(REPORTERS)
+        return [r for r in self.report_to if r != "none"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _backend_usable(backend: str) -> str | None:
+    """Why `backend` cannot run on this machine, or None when it can (checked without a process group)."""
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return "nccl needs CUDA GPUs and a torch build with NCCL; none is visible here (use gloo on CPU)"
+    if backend == "gloo" and not dist.is_gloo_available():
+        return "this torch build has no gloo"
+    if backend == "mpi" and not dist.is_mpi_available():
+        return "this torch build has no MPI support"
+    if backend in ("xccl", "ccl") and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return f"{backend} needs Intel XPUs, and none is visible"
+    if backend == "hccl" and not hasattr(torch, "npu"):
+        return "hccl needs Ascend NPUs (torch_npu), and none is visible"
+    if backend == "cncl" and not hasattr(torch, "mlu"):
+        return "cncl needs Cambricon MLUs (torch_mlu), and none is visible"
+    if backend == "mccl" and not hasattr(torch, "musa"):
+        return "mccl needs Moore Threads GPUs (torch_musa), and none is visible"
+    if backend == "ucc" and not getattr(dist, "is_ucc_available", lambda: False)():
+        return "this torch build has no UCC support"
+    return None
+
+
+def validate(args: TrainingArguments) -> None:
+    """Raise `ArgumentError` for the first invalid value or contradictory combination."""
+
+    def need(ok: bool, field: str, message: str) -> None:
+        if not ok:
+            raise ArgumentError(field, f"{message} (got {getattr(args, field)!r})")
+
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        need(getattr(args, name) >= 1, name, "must be >= 1")
+    for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "warmup_steps"):
+        need(getattr(args, name) >= 0, name, "must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        need(0 <= getattr(args, name) < 1, name, "must be in [0, 1)")
+    for name in ("learning_rate", "max_grad_norm", "num_train_epochs", "adam_epsilon", "ddp_timeout"):
+        need(math.isfinite(getattr(args, name)), name, "must be finite")
+    need(args.max_steps == -1 or args.max_steps > 0, "max_steps", "must be > 0, or -1 to train by epochs")
+    need(args.max_steps > 0 or args.num_train_epochs > 0, "num_train_epochs",
+         "must be > 0 when max_steps is not set")
+    need(args.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"must be one of {', '.join(SCHEDULERS)}")
+    need(0 <= args.warmup_ratio <= 1, "warmup_ratio", "must be in [0, 1]")
+    for name in ("eval_strategy", "save_strategy"):
+        need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        need(getattr(args, name) > 0, name, "must be > 0 (a float < 1 is a fraction of the total steps)")
+    need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
+         "must be >= 1, or unset to keep every checkpoint")
+    need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
+    need(args.data_seed is None or 0 <= args.data_seed < 2**32, "data_seed", "must be in [0, 2**32)")
+    need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
+    need(bool(args.output_dir), "output_dir", "must name a folder")
+    unknown = [r for r in args.report_to if r not in (*REPORTERS, "all", "none")]
+    need(not unknown, "report_to", f"ddpkit reports to {', '.join(REPORTERS)}, all or none; unknown: {unknown}")
+    need(not ("none" in args.report_to and len(args.report_to) > 1), "report_to",
+         "'none' cannot be combined with integrations")
+    resume = args.resume_from_checkpoint
+    need(resume in (None, True) or (isinstance(resume, str) and os.path.isdir(resume)), "resume_from_checkpoint",
+         "must be an existing checkpoint folder, or 'true' for the newest in output_dir")
+    # DDP.
+    need(args.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
+    need(args.ddp_stall_seconds is None or 0 <= args.ddp_stall_seconds < args.ddp_timeout, "ddp_stall_seconds",
+         "must be >= 0 and below ddp_timeout (it explains a stall before the timeout ends it)")
+    need(args.ddp_replica_check_steps >= 0, "ddp_replica_check_steps", "must be >= 0 (0: never)")
+    need(args.ddp_bucket_cap_mb is None or args.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb", "must be > 0 MiB")
+    if args.ddp_backend is not None:
+        need(args.ddp_backend in DDP_BACKENDS, "ddp_backend", f"must be one of {', '.join(DDP_BACKENDS)}")
+        why = _backend_usable(args.ddp_backend)
+        need(why is None, "ddp_backend", f"cannot run here: {why}")
+    # The Transformers guide: with gradient checkpointing the re-run forward marks parameters used twice, which
+    # find_unused_parameters reports as an error, and buffers must not be re-broadcast mid-recomputation.
+    if args.gradient_checkpointing:
+        need(args.ddp_find_unused_parameters is not True, "ddp_find_unused_parameters",
+             "cannot be true together with gradient_checkpointing; leave it unset or set it false")
+        need(args.ddp_broadcast_buffers is not True, "ddp_broadcast_buffers",
+             "cannot be true together with gradient_checkpointing; leave it unset or set it false")
+    if args.bf16:
+        need(torch.cuda.is_available() is False or torch.cuda.is_bf16_supported(), "bf16",
+             "this GPU does not support bfloat16")
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+
+def string_to_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if value.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
+
+
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    """(the type inside Optional[...], whether None was allowed)."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        allows_none = len(inner) < len(typing.get_args(annotation))
+        return (inner[0] if len(inner) == 1 else Union[tuple(inner)]), allows_none  # noqa: UP007 - built at run time
+    return annotation, False
+
+
+def _number(kind: type):
+    def convert(text: str):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if kind is int:
+            if not value.is_integer():
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+            return int(value)
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser made from dataclasses, like Transformers' HfArgumentParser.
+
+    Every field becomes ``--name`` (``--name-with-dashes`` works too); booleans take ``--flag``, ``--flag false`` and,
+    when they default to true, ``--no_flag``; ``--help`` lists every field with its help and default.
+    """
+
+    def __init__(self, dataclass_types: type | Sequence[type] = TrainingArguments, **kwargs: Any):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(**kwargs)
+        self.dataclass_types = [dataclass_types] if isinstance(dataclass_types, type) else list(dataclass_types)
+        for dtype in self.dataclass_types:
+            group = self.add_argument_group(dtype.__name__) if len(self.dataclass_types) > 1 else self
+            hints = typing.get_type_hints(dtype)
+            for field in dataclasses.fields(dtype):
+                if field.init:
+                    self._add_field(group, field, hints[field.name])
+
+    def _add_field(self, group, field: dataclasses.Field, annotation: Any) -> None:
+        names = [f"--{field.name}"]  # --name-with-dashes is accepted too: see _underscored
+        kind, _ = _strip_optional(annotation)
+        kwargs: dict[str, Any] = {"help": field.metadata.get("help", ""), "dest": field.name}
+        if field.default is not dataclasses.MISSING:
+            kwargs["default"] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            kwargs["default"] = field.default_factory()
+        else:
+            kwargs["required"] = True
+        if "choices" in field.metadata:
+            kwargs["choices"] = list(field.metadata["choices"])
+        if kind is bool:
+            # --bf16 alone means true; --bf16 false spells it out, as Transformers accepts.
+            kwargs.update(type=string_to_bool, nargs="?", const=True, metavar="BOOL")
+        elif typing.get_origin(kind) is list:
+            kwargs.update(type=str, nargs="+")
+        elif kind in (int, float):
+            kwargs["type"] = _number(kind)
+        else:
+            kwargs["type"] = str
+        group.add_argument(*names, **kwargs)
+        if kind is bool and field.default is True:
+            group.add_argument(f"--no_{field.name}", dest=field.name, action="store_false",
+                               help=f"Set {field.name} to false.")
+
+    def _underscored(self, argv: list[str]) -> list[str]:
+        """--learning-rate 3e-4 -> --learning_rate 3e-4 (for every known option), keeping --help short."""
+        known = {a.dest for a in self._actions}
+        out = []
+        for token in argv:
+            name, eq, value = token.partition("=")
+            if name.startswith("--") and name[2:].replace("-", "_") in known:
+                token = "--" + name[2:].replace("-", "_") + eq + value
+            elif name.startswith("--no-") and name[5:].replace("-", "_") in known:
+                token = "--no_" + name[5:].replace("-", "_") + eq + value
+            out.append(token)
+        return out
+
+    def parse_args_into_dataclasses(self, args: Sequence[str] | None = None,
+                                    allow_extra: bool = False) -> tuple[Any, ...]:
+        """One instance per dataclass type, in order; validation errors exit like any argparse error.
+
+        allow_extra=True returns the unknown arguments as one more, last element instead of failing.
+        """
+        namespace, extra = self.parse_known_args(self._underscored(sys.argv[1:] if args is None else list(args)))
+        if extra and not allow_extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        values = vars(namespace)
+        out: list[Any] = []
+        for dtype in self.dataclass_types:
+            fields = {f.name for f in dataclasses.fields(dtype) if f.init}
+            try:
+                out.append(dtype(**{k: v for k, v in values.items() if k in fields}))
+            except ArgumentError as exc:
+                self.error(f"--{exc}")
+        if allow_extra:
+            out.append(extra)
+        return tuple(out)
+
+    def parse_dict(self, values: dict[str, Any]) -> tuple[Any, ...]:
+        """One instance per dataclass type from a dict (a JSON config, say); unknown keys fail."""
+        known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ArgumentError(unknown[0], f"unknown argument(s) {unknown}")
+        return tuple(dtype(**{f.name: values[f.name] for f in dataclasses.fields(dtype) if f.name in values})
+                     for dtype in self.dataclass_types)
+
+
+def parse_args(argv: Iterable[str] | None = None) -> TrainingArguments:
+    """TrainingArguments from the command line (sys.argv by default)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    (args,) = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
+    return args
+
+
+__all__ = ["ArgumentError", "ArgumentParser", "TrainingArguments", "parse_args", "string_to_bool", "validate"]

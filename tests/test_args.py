@@ -1,0 +1,204 @@
+"""TrainingArguments: Transformers names and defaults, command-line parsing, and every validation error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddpkit.args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
+
+# Transformers' documented defaults for the fields we mirror.
+TRANSFORMERS_DEFAULTS = dict(
+    per_device_train_batch_size=8, per_device_eval_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
+    weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, num_train_epochs=3.0,
+    max_steps=-1, lr_scheduler_type="linear", warmup_steps=0, warmup_ratio=0.0, logging_steps=500,
+    eval_strategy="no", save_strategy="steps", save_steps=500, save_total_limit=None, seed=42, data_seed=None,
+    dataloader_num_workers=0, dataloader_drop_last=False, bf16=False, gradient_checkpointing=False,
+    resume_from_checkpoint=None, ddp_backend=None, ddp_timeout=1800, ddp_find_unused_parameters=None,
+    ddp_bucket_cap_mb=None, ddp_broadcast_buffers=None,
+)
+
+
+def test_defaults_are_transformers_defaults():
+    args = TrainingArguments()
+    for name, value in TRANSFORMERS_DEFAULTS.items():
+        assert getattr(args, name) == value, name
+    assert args.eval_steps == args.logging_steps  # Transformers: eval_steps defaults to logging_steps
+    assert args.find_unused_parameters is True and args.broadcast_buffers is True
+    assert args.reporters == []
+
+
+def test_every_field_has_a_help_line_shown_by_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(TrainingArguments):
+        help_ = field.metadata["help"]
+        assert help_ and "\n" not in help_, field.name
+        assert f"--{field.name}" in text, field.name
+        assert " ".join(help_.split()) in text, field.name
+
+
+def test_command_line_like_transformers():
+    args = parse_args(["--learning_rate", "3e-4", "--bf16", "--num_train_epochs", "2.5", "--max-steps", "7",
+                       "--ddp_find_unused_parameters", "false", "--report_to", "tensorboard", "--logging_steps=10",
+                       "--save_total_limit", "2", "--ddp_timeout", "60", "--dataloader_drop_last", "true",
+                       "--lr_scheduler_type", "cosine", "--eval_strategy", "epoch", "--output_dir", "run"])
+    assert args.learning_rate == 3e-4 and isinstance(args.learning_rate, float)
+    assert args.bf16 is True and args.dataloader_drop_last is True
+    assert args.num_train_epochs == 2.5 and args.max_steps == 7 and isinstance(args.max_steps, int)
+    assert args.ddp_find_unused_parameters is False and args.find_unused_parameters is False
+    assert args.report_to == ["tensorboard"] and args.reporters == ["tensorboard"]
+    assert args.logging_steps == 10 and args.eval_steps == 10
+    assert args.save_total_limit == 2 and args.ddp_timeout == 60.0
+    assert (args.lr_scheduler_type, args.eval_strategy, args.output_dir) == ("cosine", "epoch", "run")
+    assert parse_args(["--bf16", "false"]).bf16 is False
+    assert parse_args(["--report_to", "all"]).reporters == ["tensorboard"]
+
+
+def test_resume_true_means_newest(tmp_path):
+    assert parse_args(["--resume_from_checkpoint", "true"]).resume_from_checkpoint is True
+    assert parse_args(["--resume_from_checkpoint", str(tmp_path)]).resume_from_checkpoint == str(tmp_path)
+
+
+def test_fractional_intervals_and_derived_values():
+    args = TrainingArguments(logging_steps=0.1, save_steps=0.25, warmup_ratio=0.1, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=3)
+    assert args.interval("logging_steps", 95) == 10 and args.interval("save_steps", 95) == 24
+    assert args.interval("eval_steps", 95) == 10
+    assert args.warmup_steps_for(95) == 10 and TrainingArguments(warmup_steps=3, warmup_ratio=0.5).warmup_steps_for(95) == 3
+    assert args.train_batch_size(world_size=2) == 24
+
+
+def test_gradient_checkpointing_flips_ddp_defaults():
+    args = TrainingArguments(gradient_checkpointing=True)
+    assert args.find_unused_parameters is False and args.broadcast_buffers is False
+    TrainingArguments(gradient_checkpointing=True, ddp_find_unused_parameters=False, ddp_broadcast_buffers=False)
+
+
+INVALID = [
+    ("per_device_train_batch_size", dict(per_device_train_batch_size=0)),
+    ("per_device_eval_batch_size", dict(per_device_eval_batch_size=-1)),
+    ("gradient_accumulation_steps", dict(gradient_accumulation_steps=0)),
+    ("learning_rate", dict(learning_rate=-1.0)),
+    ("learning_rate", dict(learning_rate=float("inf"))),
+    ("weight_decay", dict(weight_decay=-0.1)),
+    ("adam_beta1", dict(adam_beta1=1.0)),
+    ("adam_beta2", dict(adam_beta2=-0.5)),
+    ("adam_epsilon", dict(adam_epsilon=-1e-8)),
+    ("max_grad_norm", dict(max_grad_norm=-1.0)),
+    ("max_steps", dict(max_steps=0)),
+    ("num_train_epochs", dict(num_train_epochs=0)),
+    ("lr_scheduler_type", dict(lr_scheduler_type="polynomial")),
+    ("warmup_steps", dict(warmup_steps=-1)),
+    ("warmup_ratio", dict(warmup_ratio=1.5)),
+    ("logging_steps", dict(logging_steps=0)),
+    ("eval_strategy", dict(eval_strategy="sometimes")),
+    ("eval_steps", dict(eval_steps=-2)),
+    ("save_strategy", dict(save_strategy="best")),
+    ("save_steps", dict(save_steps=0)),
+    ("save_total_limit", dict(save_total_limit=0)),
+    ("seed", dict(seed=-1)),
+    ("data_seed", dict(data_seed=2**32)),
+    ("dataloader_num_workers", dict(dataloader_num_workers=-1)),
+    ("output_dir", dict(output_dir="")),
+    ("report_to", dict(report_to="wandb")),
+    ("report_to", dict(report_to=["none", "tensorboard"])),
+    ("resume_from_checkpoint", dict(resume_from_checkpoint="/no/such/checkpoint-7")),
+    ("ddp_backend", dict(ddp_backend="carrier-pigeon")),
+    ("ddp_timeout", dict(ddp_timeout=0)),
+    ("ddp_bucket_cap_mb", dict(ddp_bucket_cap_mb=0)),
+    ("ddp_find_unused_parameters", dict(gradient_checkpointing=True, ddp_find_unused_parameters=True)),
+    ("ddp_broadcast_buffers", dict(gradient_checkpointing=True, ddp_broadcast_buffers=True)),
+]
+if not torch.cuda.is_available():
+    INVALID.append(("ddp_backend", dict(ddp_backend="nccl")))
+
+
+@pytest.mark.parametrize("field,kwargs", INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_every_validation_error_names_its_field(field, kwargs):
+    with pytest.raises(ArgumentError) as err:
+        TrainingArguments(**kwargs)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is usable on this machine")
+def test_nccl_without_cuda_fails_on_the_command_line_before_any_process_group(capsys):
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--ddp_backend", "nccl"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ddp_backend" in err and "CUDA" in err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--learning_rate", "fast"], "learning_rate"),
+    (["--max_steps", "2.5"], "max_steps"),
+    (["--bf16", "maybe"], "bf16"),
+    (["--lr_scheduler_type", "polynomial"], "lr_scheduler_type"),
+    (["--gradient_checkpointing", "--ddp_find_unused_parameters", "true"], "ddp_find_unused_parameters"),
+    (["--no_such_flag", "1"], "no_such_flag"),
+])
+def test_command_line_errors_exit_naming_the_field(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_script_dataclasses_share_the_parser():
+    @dataclasses.dataclass
+    class ScriptArguments:
+        hidden: int = dataclasses.field(default=64, metadata={"help": "Hidden width."})
+        tie: bool = dataclasses.field(default=True, metadata={"help": "Tie embeddings."})
+
+    parser = ArgumentParser((ScriptArguments, TrainingArguments))
+    script, args = parser.parse_args_into_dataclasses(["--hidden", "32", "--no_tie", "--seed", "3"])
+    assert (script.hidden, script.tie, args.seed) == (32, False, 3)
+    script, args, extra = parser.parse_args_into_dataclasses(["--bogus", "x"], allow_extra=True)
+    assert extra == ["--bogus", "x"]
+    (args,) = ArgumentParser().parse_dict({"learning_rate": 1e-3})
+    assert args.learning_rate == 1e-3
+    with pytest.raises(ArgumentError, match="lerning_rate"):
+        ArgumentParser().parse_dict({"lerning_rate": 1e-3})
+
+
+def test_to_json_round_trip():
+    import json
+
+    args = TrainingArguments(learning_rate=1e-3, report_to=["tensorboard"])
+    assert TrainingArguments(**json.loads(args.to_json_string())) == args
+
+
+@settings(max_examples=60, deadline=None)
+@given(lr=st.floats(0, 10, allow_nan=False), bs=st.integers(1, 4096), accum=st.integers(1, 64),
+       steps=st.one_of(st.just(-1), st.integers(1, 10**6)), ratio=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),
+       clip=st.floats(0, 100))
+def test_valid_values_survive_the_command_line(lr, bs, accum, steps, ratio, seed, clip):
+    argv = ["--learning_rate", repr(lr), "--per_device_train_batch_size", str(bs), "--gradient_accumulation_steps",
+            str(accum), "--max_steps", str(steps), "--warmup_ratio", repr(ratio), "--seed", str(seed),
+            "--max_grad_norm", repr(clip)]
+    args = parse_args(argv)
+    assert args == TrainingArguments(learning_rate=lr, per_device_train_batch_size=bs,
+                                     gradient_accumulation_steps=accum, max_steps=steps, warmup_ratio=ratio,
+                                     seed=seed, max_grad_norm=clip)
+    assert args.train_batch_size(world_size=2) == 2 * bs * accum
+
+
+def test_args_module_imports_nothing_of_ddpkit():
+    import ddpkit.args as module
+
+    with open(module.__file__, encoding="utf-8") as f:
+        source = f.read()
+    assert "from ." not in source and "import ddpkit" not in source and "from ddpkit" not in source
+    assert os.path.basename(module.__file__) == "args.py"

@@ -1,0 +1,189 @@
+"""Checkpoints: round trip, safe loading, rotation, every rank's RNG, and atomicity under SIGKILL."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from spawn import run_world
+
+from ddpkit import checkpoint as ckpt
+from ddpkit.comm import Comm
+from ddpkit.env import single_process_env
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    net[2].weight = torch.nn.Parameter(torch.randn(3, 8))
+    return net
+
+
+def _trained(seed: int = 0):
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def _save(out, step, model, opt=None, sched=None, limit=None, state=None):
+    return ckpt.save_checkpoint(str(out), step, model=model, optimizer=opt, scheduler=sched,
+                                trainer_state=state or {"global_step": step, "log_history": []},
+                                sampler_state={"epoch": 1, "seed": 3, "consumed": 40}, comm=Comm(),
+                                world=single_process_env(), save_total_limit=limit)
+
+
+def test_round_trip_restores_everything(tmp_path):
+    model, opt, sched = _trained()
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = _save(tmp_path, 3, model, opt, sched)
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    assert os.path.basename(path) == "checkpoint-3"
+    assert sorted(os.listdir(path)) == ["model.safetensors", "optimizer.pt", "rng_state_0.pth",
+                                        "sampler_state.json", "scheduler.pt", "trainer_state.json"]
+
+    fresh, fresh_opt, fresh_sched = _trained(seed=9)
+    loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(str(tmp_path)), model=fresh, optimizer=fresh_opt,
+                                  scheduler=fresh_sched)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert fresh_sched.last_epoch == sched.last_epoch == 3
+    assert loaded.step == 3 and loaded.trainer_state["global_step"] == 3 and loaded.saved_world_size == 1
+    assert loaded.sampler_state == {"epoch": 1, "seed": 3, "consumed": 40}
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    ckpt.set_rng_state(loaded.rng_state)
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(2), expected[2])
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_loading_never_unpickles_code(tmp_path, monkeypatch):
+    model, opt, sched = _trained()
+    path = _save(tmp_path, 1, model, opt, sched)
+    monkeypatch.chdir(tmp_path)
+    with open(os.path.join(path, "optimizer.pt"), "wb") as f:  # a legacy pickle that would run a command
+        pickle.dump({"state": _Payload()}, f, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_checkpoint(path, model=_model(), optimizer=torch.optim.AdamW(_model().parameters()))
+    torch.save({"state": {}, "param_groups": [], "evil": _Payload()}, os.path.join(path, "scheduler.pt"))
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_checkpoint(path, scheduler=sched)
+    assert not os.path.exists(tmp_path / "pwned")
+
+
+def test_rotation_and_resave(tmp_path):
+    model = _model()
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, model, limit=2)
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == ["checkpoint-3", "checkpoint-4"]
+    _save(tmp_path, 4, model, limit=2, state={"global_step": 4, "again": True})  # a second save of one step
+    assert ckpt.load_checkpoint(str(tmp_path / "checkpoint-4")).trainer_state["again"] is True
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4"]
+    with pytest.raises(FileNotFoundError):
+        ckpt.load_checkpoint(str(tmp_path / "checkpoint-9"))
+
+
+def _killed_save(out: str, ready: str) -> None:
+    model = _model()
+    _save(out, 1, model)
+
+    def stalled_write(*args, **kwargs):
+        open(ready, "w").close()  # weights and optimizer are written: tell the parent, then hang until killed
+        time.sleep(600)
+
+    ckpt.write_json = stalled_write  # in this child process only
+    big = torch.nn.Linear(256, 256)
+    _save(out, 2, big, torch.optim.SGD(big.parameters(), lr=0.1))
+
+
+def test_save_killed_with_sigkill_leaves_previous_checkpoint(tmp_path):
+    ready = str(tmp_path / "ready")
+    out = tmp_path / "out"
+    proc = mp.get_context("fork").Process(target=_killed_save, args=(str(out), ready), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready):
+            assert time.monotonic() < deadline and proc.is_alive(), "the save never started"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert proc.exitcode == -signal.SIGKILL
+    leftovers = [n for n in os.listdir(out) if n.startswith(".tmp-checkpoint-2")]
+    assert leftovers, os.listdir(out)
+    assert not os.path.exists(out / "checkpoint-2")
+    latest = ckpt.find_latest_checkpoint(str(out))
+    assert os.path.basename(latest) == "checkpoint-1"
+    model = _model(seed=5)
+    ckpt.load_checkpoint(latest, model=model)
+    assert torch.equal(model[0].weight, _model()[0].weight)
+    _save(out, 3, model)  # the next save sweeps the half-written folder away
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-3"]
+
+
+def _ranks_save_and_load(world, out: str):
+    model = _model()
+    torch.manual_seed(100 + world.rank)
+    random.seed(world.rank)
+    np.random.seed(world.rank)
+    comm = Comm()
+    # A write that fails on rank 0 raises on every rank instead of leaving the others at the barrier.
+    blocker = os.path.join(out, "blocked")
+    if world.is_main:
+        os.makedirs(out, exist_ok=True)
+        open(blocker, "w").close()
+    comm.barrier()
+    try:
+        ckpt.save_checkpoint(blocker, 1, model=model, trainer_state={}, comm=comm, world=world)
+        failed = None
+    except RuntimeError as exc:
+        failed = str(exc)
+    state_before = ckpt.rng_state()
+    path = ckpt.save_checkpoint(out, 2, model=model, trainer_state={"global_step": 2}, comm=comm, world=world,
+                                sampler_state={"epoch": 0, "seed": 0, "consumed": 8})
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    loaded = ckpt.load_checkpoint(path, model=_model(seed=7), world=world)
+    ckpt.set_rng_state(loaded.rng_state)
+    return failed, torch.equal(torch.rand(3), expected), loaded.saved_world_size, \
+        torch.equal(loaded.rng_state["cpu"], state_before["cpu"]), sorted(os.listdir(path))
+
+
+def test_every_rank_rng_is_saved_and_errors_reach_all_ranks(tmp_path):
+    results = run_world(_ranks_save_and_load, world_size=2, args=(str(tmp_path),), deadline_s=90)
+    for failed, same_stream, saved_world, same_state, files in results:
+        assert failed is not None and "rank 0 could not write" in failed
+        assert same_stream and same_state and saved_world == 2
+        assert "rng_state_0.pth" in files and "rng_state_1.pth" in files
+    zero = torch.load(tmp_path / "checkpoint-2" / "rng_state_0.pth", weights_only=True)
+    one = torch.load(tmp_path / "checkpoint-2" / "rng_state_1.pth", weights_only=True)
+    assert not torch.equal(zero["cpu"], one["cpu"])
+
+
+def test_checkpoint_knows_only_env_and_comm():
+    with open(ckpt.__file__, encoding="utf-8") as f:
+        source = f.read()
+    local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
+    assert local <= {".env", ".comm"}
