@@ -1,0 +1,7 @@
+"""`python -m ddpkit launch ...`: the same as the `ddpkit` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

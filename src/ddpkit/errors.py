@@ -1,0 +1,87 @@
+"""A worker's uncaught exception, written where torchelastic's agent looks for it.
+
+Under `ddpkit launch` or `torchrun` every worker gets ``TORCHELASTIC_ERROR_FILE``. When the worker dies of an
+exception, the launcher reads that file and shows the traceback as the job's root cause; without it, all it
+knows is "exit code 1". torch's way is the ``@record`` decorator on the user's ``main``; ddpkit needs no
+decorator: `install_worker_excepthook()` (called by ``ddpkit.init_process_group``) chains a ``sys.excepthook``
+that writes the file, then prints the traceback as usual.
+
+The file's format is the one ``torch.distributed.elastic.multiprocessing.errors.ProcessFailure`` parses::
+
+    {"message": {"message": "ValueError: bad shape",
+                 "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1718000000"}}}
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+from types import TracebackType
+
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+
+_installed = False
+
+
+def error_record(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> dict:
+    """The error file's content for one exception, in torchelastic's schema."""
+    return {
+        "message": {
+            "message": f"{exc_type.__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                # torchelastic parses an integer number of seconds; it orders failures by it
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+
+
+def write_error_file(path: str, record: dict) -> bool:
+    """Write `record` to `path` unless a record is already there; True when written.
+
+    An existing file means torch's own ``@record`` already wrote this same exception, so it is kept. The write
+    goes through a temporary file and a rename so the agent never reads half a file.
+    """
+    if os.path.exists(path):
+        return False
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fp:
+        json.dump(record, fp)
+    os.replace(tmp, path)
+    return True
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        path = os.environ.get(ERROR_FILE_VAR)
+        if path:
+            try:
+                write_error_file(path, error_record(exc_type, exc, tb))
+            except OSError as err:  # never hide the user's exception behind ours
+                print(f"ddpkit: could not write the error file {path}: {err}", file=sys.stderr)
+        previous(exc_type, exc, tb)
+
+    hook.ddpkit_hook = True
+    return hook
+
+
+def install_worker_excepthook() -> bool:
+    """Record this process's uncaught exception in ``TORCHELASTIC_ERROR_FILE``; True if newly installed.
+
+    A no-op outside a torchelastic launcher (no such variable) and on a second call. Also turns on
+    ``faulthandler``, so a worker that dies of SIGSEGV or SIGABRT prints every thread's Python stack first.
+    """
+    global _installed
+    if _installed or not os.environ.get(ERROR_FILE_VAR):
+        return False
+    if not getattr(sys.excepthook, "ddpkit_hook", False):
+        sys.excepthook = _excepthook(sys.excepthook)
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+    _installed = True
+    return True
