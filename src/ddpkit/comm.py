@@ -72,12 +72,16 @@ class Comm:
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
 
-    def start_monitor(self, threshold_s: float) -> StallMonitor | None:
-        """Explain collectives that wait longer than `threshold_s` (see ddpkit.monitor)."""
+    def start_monitor(self, threshold_s: float, restart: int = 0) -> StallMonitor | None:
+        """Explain collectives that wait longer than `threshold_s` (see ddpkit.monitor).
+
+        restart: the elastic restart count; a restarted job must not read what the failed attempt posted.
+        """
         if self.monitor is None and self.distributed:
             store = dist.distributed_c10d._get_default_store()
+            group = f"{dist.get_process_group_ranks(self.pg)[0]}-{self.world_size}"
             self.monitor = StallMonitor(store, self.rank, self.world_size, threshold_s,
-                                        prefix=f"{dist.get_process_group_ranks(self.pg)[0]}-{self.world_size}/")
+                                        prefix=f"attempt_{restart}/{group}/")
         return self.monitor
 
     def stop_monitor(self) -> None:
@@ -270,7 +274,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None,
     world = env.init_process_group(backend, timeout, device_type, join_timeout=join_timeout)
     if world.world_size > 1 and stall_seconds != 0:
         threshold = stall_seconds if stall_seconds is not None else min(world.timeout.total_seconds() / 5, 300.0)
-        Comm.for_group(None).start_monitor(threshold)
+        Comm.for_group(None).start_monitor(threshold, world.restart)
     return world
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from .errors import install_worker_excepthook
+
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
 KNOWN_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "cncl", "mpi", "ucc")
@@ -80,6 +82,7 @@ class DistEnv:
     backend: str
     timeout: datetime.timedelta
     launcher: str = "none"
+    restart: int = 0  # how often torchelastic restarted this job's workers (0 on the first attempt)
 
     @property
     def is_main(self) -> bool:
@@ -271,13 +274,14 @@ def init_process_group(
     a clear error says how many arrived.
     An existing default process group (made by accelerate, say) is adopted as it is.
     """
+    install_worker_excepthook()  # under a launcher, an uncaught exception becomes the job's root cause
     info = read_launch_env(environ)
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if dist.is_initialized():
         device = _pin_device(device_type, info.local_rank)
         return DistEnv(dist.get_rank(), info.local_rank, dist.get_world_size(), info.local_world_size, device,
-                       dist.get_backend(), timeout, info.launcher)
+                       dist.get_backend(), timeout, info.launcher, info.restart)
     backend = backend or backend_for_device(device_type)
     check_backend(backend)
     device = _pin_device(device_type, info.local_rank)
@@ -292,7 +296,7 @@ def init_process_group(
         store.set_timeout(timeout)
         dist.init_process_group(store=store, rank=info.rank, world_size=info.world_size, **kwargs)
     return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
-                   info.launcher)
+                   info.launcher, info.restart)
 
 
 def _rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store:
@@ -324,6 +328,10 @@ def _rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Stor
                               f"{info.world_size}: start exactly that many processes (ddpkit launch "
                               "--nproc-per-node N), or check that every node can reach MASTER_ADDR") from exc
         raise
+    if info.agent_store:
+        # The agent's store outlives a restart: keys the failed attempt left (gloo's peer addresses) must not be
+        # read by the restarted workers.
+        store = dist.PrefixStore(f"ddpkit/attempt_{info.restart}/", store)
     _wait_for_everyone(store, info, join_timeout)
     return store
 
