@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ddpkit.args import ArgumentParser, TrainingArguments
-from ddpkit.env import destroy_process_group
+from ddpkit import destroy_process_group
 from ddpkit.trainer import Trainer, set_seed
 
 DEFAULTS = dict(output_dir="chars_output", per_device_train_batch_size=16, per_device_eval_batch_size=32,

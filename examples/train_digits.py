@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.args import ArgumentParser, TrainingArguments
-from ddpkit.env import destroy_process_group
+from ddpkit import destroy_process_group
 from ddpkit.trainer import Trainer, set_seed
 
 # This script's defaults where TrainingArguments' (made for fine-tuning large models) do not fit a 64-pixel MLP.

@@ -9,6 +9,9 @@ from .comm import Comm, barrier, destroy_process_group, init_process_group, main
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
 from .monitor import PeerFailedError, StallError
 from .sampler import DistributedSampler
+from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
+from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from .trainer import EvalPrediction, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
 from .env import (
     DistEnv,
     LaunchError,
@@ -20,6 +23,19 @@ from .env import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentParser",
+    "EvalPrediction",
+    "Trainer",
+    "TrainerState",
+    "TrainOutput",
+    "TrainingArguments",
+    "find_latest_checkpoint",
+    "get_scheduler",
+    "load_checkpoint",
+    "parse_args",
+    "save_checkpoint",
+    "set_seed",
     "Comm",
     "DistEnv",
     "DistributedDataParallel",

@@ -324,7 +324,9 @@ class Trainer:
             run.logged_at = step
             self.log({"loss": loss, "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
                       "samples_per_second": run.clock.lap()})
-        run.bar.set_postfix_str(f"loss={self._last_loss():.4f} samples/s={run.clock.rate():.0f}", refresh=False)
+        last = self._last_loss()
+        shown = "-" if math.isnan(last) else f"{last:.4f}"  # nothing logged yet
+        run.bar.set_postfix_str(f"loss={shown} samples/s={run.clock.rate():.0f}", refresh=False)
         run.bar.update(1)
 
     def _next_window(self, batches: Iterator) -> _Window:
