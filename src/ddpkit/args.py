@@ -172,6 +172,21 @@ def _backend_usable(backend: str) -> str | None:
     return None
 
 
+def _unwritable(folder: str) -> str | None:
+    """Why `folder` could not be created or written into, or None (looks only: creates nothing)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"no permission to write in {path}"
+    return None
+
+
 def validate(args: TrainingArguments) -> None:
     """Raise `ArgumentError` for the first invalid value or contradictory combination."""
 
@@ -202,6 +217,9 @@ def validate(args: TrainingArguments) -> None:
     need(args.data_seed is None or 0 <= args.data_seed < 2**32, "data_seed", "must be in [0, 2**32)")
     need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
     need(bool(args.output_dir), "output_dir", "must name a folder")
+    if args.output_dir:
+        problem = _unwritable(args.output_dir)
+        need(problem is None, "output_dir", f"cannot be written: {problem}")
     unknown = [r for r in args.report_to if r not in (*REPORTERS, "all", "none")]
     need(not unknown, "report_to", f"ddpkit reports to {', '.join(REPORTERS)}, all or none; unknown: {unknown}")
     need(not ("none" in args.report_to and len(args.report_to) > 1), "report_to",

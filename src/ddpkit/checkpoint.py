@@ -243,7 +243,13 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0
     if model is not None:
-        load_model(model, os.path.join(path, MODEL_FILE), strict=True, device=str(device))
+        try:
+            load_model(model, os.path.join(path, MODEL_FILE), strict=True, device=str(device))
+        except RuntimeError as exc:  # missing, unexpected or differently shaped weights
+            found = str(exc).strip().rstrip(".")[:800]
+            raise ValueError(f"{path} holds the weights of another model than this {type(model).__name__}: "
+                             f"{found}. Resume with the model the checkpoint was written for, or point "
+                             "resume_from_checkpoint at a checkpoint of this model") from exc
     if optimizer is not None:
         optimizer.load_state_dict(_load_tensors(os.path.join(path, OPTIMIZER_FILE), device))
     if scheduler is not None:

@@ -234,6 +234,10 @@ class Trainer:
         """
         if self.train_dataset is None:
             raise ValueError("Trainer.train needs a train_dataset")
+        if len(self.train_dataset) < self.world.world_size:
+            raise ValueError(f"the train_dataset has {len(self.train_dataset)} sample(s) but {self.world.world_size} "
+                             "processes train on it: every rank needs at least one sample of its own. Start fewer "
+                             "processes (--nproc-per-node) or use more data")
         resume = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         if resume in (None, False) and self.world.restart > 0:
             # Restarted by the launcher (--max-restarts): continue from the newest checkpoint, if there is one.
