@@ -94,6 +94,10 @@ def device_ids_for_a_cpu_model():
     ddpkit.DistributedDataParallel(models.MLP(), device_ids=[0])
 
 
+def sparse_embedding():
+    ddpkit.DistributedDataParallel(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True)))
+
+
 def dataset_smaller_than_world_with_drop_last():
     ddpkit.DistributedSampler(list(range(3)), num_replicas=4, rank=0, drop_last=True)
 
@@ -115,6 +119,7 @@ CATALOGUE = [
     ("output_dir that cannot be written", unwritable_output_dir, ddpkit.ArgumentError,
      r"output_dir.*is a file, not a folder"),
     ("device_ids for a CPU model", device_ids_for_a_cpu_model, ValueError, r"leave device_ids=None"),
+    ("sparse gradients", sparse_embedding, ValueError, r"'0' produces sparse gradients.*sparse=False"),
     ("data set smaller than the world (drop_last)", dataset_smaller_than_world_with_drop_last, ValueError,
      r"empty shard.*drop_last=False"),
 ]

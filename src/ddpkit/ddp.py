@@ -68,6 +68,10 @@ class DistributedDataParallel(TorchDDP):
         if not named:
             raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires "
                              "a gradient; this one has none, so there is nothing to synchronise")
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise ValueError(f"module {sparse[0]!r} produces sparse gradients, which ddpkit's buckets do not hold; "
+                             "construct it with sparse=False (dense gradients are all-reduced in buckets)")
         self._comm = Comm.for_group(process_group)
         self.process_group = process_group
         self._buffers_to_sync = [b for b in module.buffers()] if self._broadcast_buffers else []
