@@ -78,7 +78,16 @@ def train_against_truth(world, name, ddp_kwargs):
     return {"fingerprint": _fingerprint(ddp.module), "plan": ddp.bucket_plan, "early": early}
 
 
-def many_models(world, ddp_kwargs):
+def _set_eager(numel: int | None) -> None:
+    """Gradients of at least `numel` elements take the copy-in-the-hook path (None: the default threshold)."""
+    import ddpkit.reducer
+
+    if numel is not None:
+        ddpkit.reducer.EAGER_NUMEL = numel
+
+
+def many_models(world, ddp_kwargs, eager_numel=None):
+    _set_eager(eager_numel)
     return {name: train_against_truth(world, name, ddp_kwargs)
             for name in ("mlp", "convbn", "transformer", "branchy")}
 
@@ -107,10 +116,13 @@ def test_single_process_truth(world_size):
 
 def test_truth_with_flags():
     """find_unused_parameters, gradient_as_bucket_view and the default bucket size, on two ranks."""
-    for kwargs in ({"find_unused_parameters": True, "bucket_cap_mb": 0.002},
-                   {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002},
-                   {}):
-        _assert_replicas_identical(run_world(many_models, 2, args=(kwargs,)))
+    for kwargs, eager in (({"find_unused_parameters": True, "bucket_cap_mb": 0.002}, None),
+                          ({"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}, None),
+                          ({}, None),
+                          # every gradient copied in its hook, also into bucket views and with unused parameters
+                          ({"bucket_cap_mb": 0.002}, 0),
+                          ({"gradient_as_bucket_view": True, "find_unused_parameters": True}, 0)):
+        _assert_replicas_identical(run_world(many_models, 2, args=(kwargs, eager)))
 
 
 # -- the cases where torch's DDP is silently wrong ---------------------------------------------------------------
@@ -128,9 +140,10 @@ class Checkpointed(torch.nn.Module):
         return self.head(h)
 
 
-def silent_cases(world):
+def silent_cases(world, eager_numel=None):
     import ddpkit
 
+    _set_eager(eager_numel)
     r, n = world.rank, world.world_size
     report = {}
 
@@ -198,8 +211,9 @@ def silent_cases(world):
     return report
 
 
-def test_cases_where_torch_is_silently_wrong():
-    results = run_world(silent_cases, 2)
+@pytest.mark.parametrize("eager_numel", [None, 0])
+def test_cases_where_torch_is_silently_wrong(eager_numel):
+    results = run_world(silent_cases, 2, args=(eager_numel,))
     for case in "abc":
         assert results[0][case] == results[1][case], f"case ({case}): replicas diverged"
     for res in results:
@@ -212,6 +226,7 @@ def test_cases_where_torch_is_silently_wrong():
 def accumulation_and_buffers(world):
     import ddpkit
 
+    _set_eager(0)  # the gradients accumulated under no_sync are copied by the hook of the synced backward
     r, n = world.rank, world.world_size
     mine = slice(r * SHARD, (r + 1) * SHARD)
     out = {}

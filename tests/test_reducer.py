@@ -24,10 +24,19 @@ def test_reverse_order_caps_and_small_first_bucket():
     assert plan == [[9], [8, 7, 6], [5, 4, 3], [2, 1, 0]]
 
 
-def test_oversize_parameter_gets_its_own_bucket():
+def test_a_bucket_closes_once_it_reaches_its_cap():
+    # The 40 KB tensor takes the first bucket past its 1000 bytes: it closes right after it (torch's rule).
     specs = [spec(10), spec(10_000), spec(10)]
     plan = plan_buckets(specs, [2, 1, 0], cap_bytes=1000, first_cap_bytes=1000)
-    assert plan == [[2], [1], [0]]
+    assert plan == [[2, 1], [0]]
+
+
+def test_small_first_bucket_still_overlaps_a_large_model():
+    # Registration order: 2048x512, 2048, 2048x2048, 2048, 512x2048, 512, 10x512, 10 (bench's MLP).
+    shapes = [2048 * 512, 2048, 2048 * 2048, 2048, 512 * 2048, 512, 10 * 512, 10]
+    plan = plan_buckets([spec(n) for n in shapes], list(reversed(range(8))), cap_bytes=25 * MIB,
+                        first_cap_bytes=1 * MIB)
+    assert plan == [[7, 6, 5, 4], [3, 2, 1, 0]]  # what torch builds too
 
 
 def test_dtypes_and_devices_never_share_a_bucket():
@@ -67,8 +76,8 @@ def test_plan_properties(params, rnd, cap, first_cap):
         assert [position[i] for i in bucket] == sorted(position[i] for i in bucket)  # ready order inside
         limit = cap if kind <= first_of_kind else min(cap, first_cap)
         first_of_kind |= kind
-        if len(bucket) > 1:
-            assert sum(specs[i].nbytes for i in bucket) <= limit
+        # A bucket closes once it reaches its limit: without its last parameter it was below it.
+        assert sum(specs[i].nbytes for i in bucket[:-1]) < limit
 
 
 def test_ready_order_uses_last_firing_and_puts_unused_last():
