@@ -88,3 +88,12 @@ def test_deadline_stops_every_rank(capsys):
     assert code == 1
     assert "deadline" in capsys.readouterr().err
     assert multiprocessing.active_children() == []
+
+
+def test_cli_hands_bench_its_arguments(capsys):
+    from ddpkit import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: ddpkit bench" in capsys.readouterr().out
