@@ -44,6 +44,7 @@ from torch import nn
 
 from .comm import barrier
 from .ddp import DistributedDataParallel
+from .comm import Comm
 from .env import destroy_process_group, free_port, init_process_group
 
 VARIANTS = ("ddpkit", "torch", "bare")
@@ -171,6 +172,7 @@ class BenchConfig:
     seed: int = 0
     lr: float = 1e-3  # SGD; small so that many steps on one fixed batch stay finite
     timeout_s: float = 600.0  # deadline for the whole run, every world included
+    inspector: bool = False  # add "inspected": ddpkit's DDP with the stall inspector watching its collectives
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.models) - set(WORKLOADS))
@@ -192,6 +194,10 @@ class BenchConfig:
 
 
 # -- one rank: build, warm up, time interleaved rounds ---------------------------------------------------------------
+def variants_of(cfg: BenchConfig) -> tuple[str, ...]:
+    return VARIANTS + (("inspected",) if cfg.inspector else ())
+
+
 def round_order(round_index: int, variants: Sequence[str] = VARIANTS) -> list[str]:
     """The variants in the order round `round_index` runs them: rotated by one each round."""
     k = round_index % len(variants)
@@ -202,7 +208,7 @@ def _make_variant(variant: str, workload: Workload, cfg: BenchConfig) -> tuple[n
     torch.manual_seed(cfg.seed)  # the same initial weights in every variant and on every rank
     model = workload.build()
     kwargs = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
-    if variant == "ddpkit":
+    if variant in ("ddpkit", "inspected"):
         model = DistributedDataParallel(model, **kwargs)
     elif variant == "torch":
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
@@ -223,22 +229,31 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     """This rank's step times in seconds: {"params", "tensors", "wall": {variant: [per round: [per step]]},
     "cpu": {the same}}."""
     workload = WORKLOADS[name]
-    runs = {v: _make_variant(v, workload, cfg) for v in VARIANTS}
+    variants = variants_of(cfg)
+    runs = {v: _make_variant(v, workload, cfg) for v in variants}
     batch = workload.batch(torch.Generator().manual_seed(1000 * cfg.seed + world.rank))  # each rank its own shard
-    for variant in VARIANTS:
+    comm = Comm.for_group()
+    # The inspector's thread runs all along (about one store write a second); what differs between "ddpkit" and
+    # "inspected" is whether its collectives are reported to it, which is the cost on the step's path.
+    monitor = comm.start_monitor(cfg.timeout_s / 5) if cfg.inspector else None
+    for variant in variants:
+        comm.monitor = monitor if variant == "inspected" else None
         for _ in range(cfg.warmup):
             _step(*runs[variant], workload, batch)
-    wall: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    wall: dict[str, list[list[float]]] = {v: [] for v in variants}
+    cpu: dict[str, list[list[float]]] = {v: [] for v in variants}
     for r in range(cfg.repeats):
-        for variant in round_order(r):
+        for variant in round_order(r, variants):
             barrier(world)
+            comm.monitor = monitor if variant == "inspected" else None
             block = [_step(*runs[variant], workload, batch) for _ in range(cfg.steps)]
             wall[variant].append([w for w, _ in block])
             cpu[variant].append([c for _, c in block])
+    comm.monitor = monitor
+    comm.stop_monitor()
     params = list(runs["bare"][0].parameters())
     with torch.no_grad():
-        losses = {v: workload.loss(runs[v][0], batch).item() for v in VARIANTS}
+        losses = {v: workload.loss(runs[v][0], batch).item() for v in variants}
     bad = {v: x for v, x in losses.items() if not math.isfinite(x)}
     if bad:  # a diverged model runs on denormals and NaNs, whose speed says nothing about the wrapper
         raise FloatingPointError(f"{name}: the loss became non-finite ({bad}); lower --lr or the number of steps")
@@ -341,12 +356,14 @@ def summarise(world_size: int, name: str, measured: dict[str, Any]) -> dict[str,
            "tensors": measured["tensors"]}
     for clock, prefix in (("wall", ""), ("cpu", "cpu_")):
         steps = measured[clock]
-        round_ms = {v: [1e3 * statistics.median(block) for block in steps[v]] for v in VARIANTS}
+        variants = list(steps)
+        ratios = RATIOS + ((("inspected", "ddpkit"),) if "inspected" in steps else ())
+        round_ms = {v: [1e3 * statistics.median(block) for block in steps[v]] for v in variants}
         row[prefix + "median_ms"] = {v: 1e3 * statistics.median([t for block in steps[v] for t in block])
-                                     for v in VARIANTS}
-        row[prefix + "ratios"] = {f"{num}/{den}": ratio_stats(round_ms[num], round_ms[den]) for num, den in RATIOS}
+                                     for v in variants}
+        row[prefix + "ratios"] = {f"{num}/{den}": ratio_stats(round_ms[num], round_ms[den]) for num, den in ratios}
         row[prefix + "round_median_ms"] = round_ms
-        row[prefix + "step_ms"] = {v: [[1e3 * t for t in block] for block in steps[v]] for v in VARIANTS}
+        row[prefix + "step_ms"] = {v: [[1e3 * t for t in block] for block in steps[v]] for v in variants}
     return row
 
 
@@ -370,6 +387,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{row['world_size']:>5}  {row['model']:<11} {_count(row['params']):>6} {row['tensors']:>7}  "
                      f"{ms['ddpkit']:>9.2f} {ms['torch']:>9.2f} {ms['bare']:>8.2f}  {wall[0]:<21} {wall[1]:<21} "
                      f"{cpu[0]:>7} {cpu[1]:>7}")
+    inspected = [row for row in rows if "inspected/ddpkit" in row["ratios"]]
+    if inspected:
+        lines.append("")
+        lines.append("stall inspector on vs off (inspected/ddpkit: wall [min-max over rounds], cpu)")
+        for row in inspected:
+            wall, cpu = row["ratios"]["inspected/ddpkit"], row["cpu_ratios"]["inspected/ddpkit"]
+            lines.append(f"{row['world_size']:>5}  {row['model']:<11} {wall['median']:.3f} "
+                         f"[{wall['min']:.2f}-{wall['max']:.2f}]  cpu {cpu['median']:.3f}")
     return "\n".join(lines)
 
 
@@ -438,6 +463,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
                         help="deadline for the whole run, seconds (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write every number (per step, per round) here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--inspector", action="store_true",
+                        help="also time ddpkit's DDP with the stall inspector on, against it off")
     args = parser.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its directory does not exist")  # before minutes of measuring, not after
@@ -445,7 +472,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         cfg = BenchConfig(world_size=args.world_size, single=args.single, models=tuple(dict.fromkeys(args.models)),
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                           bucket_cap_mb=args.bucket_cap_mb, threads=args.threads, seed=args.seed,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, inspector=args.inspector)
     except ValueError as exc:
         parser.error(str(exc))
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr,
