@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import env
 from .env import DistEnv
@@ -173,20 +172,26 @@ class Comm:
         return torch.stack(out)
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0, what: str = "") -> None:
-        """Broadcast many tensors from `src` in place, flattened into few messages (one per dtype and device)."""
+        """Broadcast many tensors from `src` in place, as few messages as possible: their bytes, whatever their
+        dtypes, packed into one flat buffer per device (and per 250 MiB), so each forward pays one latency."""
         if not self.distributed or not tensors:
             return
-        groups: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
-        for t in tensors:
-            groups[(t.dtype, t.device)].append(t)
-        for same_kind in groups.values():
-            for chunk in _chunks(same_kind, BROADCAST_CHUNK_BYTES):
-                flat = _flatten_dense_tensors([t.detach() for t in chunk])
+        by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
+        # Widest elements first: every tensor then starts at an offset its element size divides, so its bytes
+        # can be viewed back as its dtype.
+        for t in sorted(tensors, key=lambda t: -t.element_size()):
+            by_device[t.device].append(t)
+        for same_device in by_device.values():
+            for chunk in _chunks(same_device, BROADCAST_CHUNK_BYTES):
+                flat = torch.cat([_as_bytes(t) for t in chunk])
                 self.broadcast(flat, src, what)
                 if self.rank != src:
                     with torch.no_grad():
-                        for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
-                            t.copy_(synced)
+                        offset = 0
+                        for t in chunk:
+                            nbytes = t.numel() * t.element_size()
+                            t.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+                            offset += nbytes
 
     # -- Python objects -----------------------------------------------------------------------------------------
     def all_gather_object(self, obj: Any, what: str = "") -> list[Any]:
@@ -248,6 +253,11 @@ class _DoneWork:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self.tensor)
         return fut
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's contents as a flat uint8 tensor (a view when it is contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _chunks(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:

@@ -256,21 +256,26 @@ class Reducer:
         if not self.armed:
             # No armed output reached this backward (the forward's outputs were not tensors we could wrap).
             self.arm(self.default_sync())
-        if not self.used[index]:
-            self.used[index] = True
+        used = self.used
+        if not used[index]:
+            used[index] = True
             self.num_used += 1
         if not self.sync:
             return
-        count = self.fires[index] + 1
-        self.fires[index] = count
+        fires = self.fires
+        count = fires[index] + 1
+        fires[index] = count
         if self.learning:
             self.fired_order.append(index)
             return
         expected = self.expected[index]
-        if count == expected:
+        if count == expected:  # the common case, kept lean: this runs once per parameter per backward
             if self.eager[index] and self.comm_hook is None:
                 self._fill_one(index)
-            self._count_ready(index)
+            bucket = self.buckets[self.bucket_of[index]]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
         elif count > expected:
             bucket = self.buckets[self.bucket_of[index]]
             if bucket.launched:
@@ -336,6 +341,7 @@ class Reducer:
         """Copy the gradients not yet in the bucket into its buffer (zeros where there is none), and divide them
         by the world size unless a comm hook does the reducing."""
         dst, src, in_place = [], [], []
+        zeros = 0
         as_view, filled = self.gradient_as_bucket_view, self.filled
         for i, param, view in zip(bucket.members, bucket.params, bucket.views):
             if filled[i]:
@@ -343,6 +349,7 @@ class Reducer:
             grad = param.grad
             if grad is None:
                 view.zero_()
+                zeros += 1
             elif as_view and grad.data_ptr() == view.data_ptr():  # already accumulated in place
                 in_place.append(view)
             else:
@@ -350,8 +357,12 @@ class Reducer:
                 src.append(grad)
         if dst:
             torch._foreach_copy_(dst, src)
-        if divide and (dst or in_place):
-            # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
+        if not divide:
+            return
+        # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
+        if len(dst) + len(in_place) + zeros == len(bucket.members):
+            bucket.public.buffer().div_(self.comm.world_size)  # one pass: far cheaper than a foreach of many
+        elif dst or in_place:
             torch._foreach_div_(dst + in_place, self.comm.world_size)
 
     # -- 4. finalize ---------------------------------------------------------------------------------------------
