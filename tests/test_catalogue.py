@@ -47,6 +47,10 @@ def negative_bucket_in_args():
     ddpkit.TrainingArguments(output_dir="unused", ddp_bucket_cap_mb=-5)
 
 
+def stall_threshold_beyond_timeout():
+    ddpkit.TrainingArguments(output_dir="unused", ddp_timeout=60, ddp_stall_seconds=90)
+
+
 def zero_timeout():
     ddpkit.init_process_group(timeout=0)
 
@@ -108,6 +112,8 @@ CATALOGUE = [
     ("nccl without CUDA (args)", nccl_without_cuda_in_args, ddpkit.ArgumentError, r"ddp_backend"),
     ("non-positive bucket size", zero_bucket, ValueError, r"bucket_cap_mb must be a positive"),
     ("non-positive bucket size (args)", negative_bucket_in_args, ddpkit.ArgumentError, r"ddp_bucket_cap_mb"),
+    ("stall threshold not below the timeout (args)", stall_threshold_beyond_timeout, ddpkit.ArgumentError,
+     r"ddp_stall_seconds.*below ddp_timeout"),
     ("non-positive timeout", zero_timeout, ValueError, r"timeout must be positive"),
     ("non-positive timeout (args)", negative_timeout_in_args, ddpkit.ArgumentError, r"ddp_timeout"),
     ("world size larger than the processes", world_size_too_large, ddpkit.LaunchError,
