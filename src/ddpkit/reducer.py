@@ -432,6 +432,10 @@ class Reducer:
         self.learning = False
         self.fired_order = []
 
+    def prepare_for_backward(self, outputs: Any = ()) -> None:
+        """torch's reducer method, which accelerate's trigger_sync_in_backward calls. Nothing to prepare here:
+        a backward that no forward armed takes the wrapper's require_backward_grad_sync when it starts."""
+
     # -- find_unused_parameters -------------------------------------------------------------------------------
     def set_unreachable(self, unreachable: list[int]) -> None:
         """Parameters the coming backward cannot reach: their buckets need not wait for them."""
