@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import env
 from .env import DistEnv
-from .monitor import StallError, StallMonitor
+from .monitor import PeerFailedError, StallError, StallMonitor
 
 # Tensors are broadcast in flat chunks of at most this size; torch uses the same 250 MiB for its init broadcast.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -53,6 +53,7 @@ class Comm:
         self.seq = 0
         self.log: collections.deque[CollectiveRecord] = collections.deque(maxlen=log_size)
         self.monitor: StallMonitor | None = None
+        self.open_sync_windows = 0  # reducers on this group inside a synchronised backward (see Reducer)
 
     _shared: dict[int, Comm] = {}
 
@@ -100,15 +101,16 @@ class Comm:
         monitor = self.monitor
         if monitor is not None:
             monitor.enter(record.seq, record.op, record.what)
+        began = time.monotonic()
         try:
             yield
         except (RuntimeError, dist.DistError) as exc:
-            waited = time.monotonic() - record.started
-            if monitor is None or isinstance(exc, StallError) or (
+            waited = time.monotonic() - began
+            if monitor is None or isinstance(exc, (StallError, PeerFailedError)) or (
                     waited < monitor.threshold_s and "timed out" not in str(exc).lower()):
                 raise  # not a stall: a bad argument, or a peer that failed fast
             try:
-                explanation = monitor.diagnosis or monitor.explain()
+                explanation = monitor.diagnosis_of(record.seq) or monitor.explain()
             except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
                 explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
             raise StallError(f"{explanation}\n(the collective failed with: {exc})") from exc
@@ -116,18 +118,23 @@ class Comm:
             if monitor is not None:
                 monitor.leave(record.seq, record.op, record.what)
 
-    def wait(self, pending: Any) -> Any:
-        """Wait for an asynchronous collective (a Work from `all_reduce(async_op=True)` or a Future)."""
+    def wait(self, pending: Any, record: CollectiveRecord | None = None) -> Any:
+        """Wait for an asynchronous collective: a `Pending` from `all_reduce(async_op=True)`, or a Future with
+        the `record` of what it is (from `note`)."""
         if isinstance(pending, Pending):
             with self._blocking(pending.record):
                 pending.work.wait()
             return None
         if isinstance(pending, torch._C.Future):
-            record = self.log[-1] if self.log else CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
+            record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
             with self._blocking(record):
                 return pending.wait()
         pending.wait()
         return None
+
+    def note(self, op: str, what: str, nbytes: int = 0) -> CollectiveRecord:
+        """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained."""
+        return self._record(op, what, nbytes)
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank `group_rank` (collectives take global ranks as src)."""

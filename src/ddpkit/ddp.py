@@ -9,7 +9,8 @@
 What differs from torch's: a parameter that gets no gradient never hangs and never lets replicas diverge,
 whatever `find_unused_parameters` says (see `Reducer`); `find_unused_parameters=True` only adds a walk of
 the autograd graph after each forward, so that buckets holding parameters the forward did not reach are
-launched during backward instead of at its end. Two backward passes after two forwards, and layers used several
+launched during backward instead of at its end (a graph with custom autograd Functions, reentrant
+checkpointing among them, is treated as reaching every parameter). Two backward passes after two forwards, and layers used several
 times under reentrant activation checkpointing, give the gradients one process would compute.
 """
 
@@ -113,15 +114,16 @@ class DistributedDataParallel(TorchDDP):
         return inputs, kwargs
 
     def _post_forward(self, output: Any) -> Any:
-        if self.reducer is None or not torch.is_grad_enabled() or not self.require_backward_grad_sync:
+        if self.reducer is None or not torch.is_grad_enabled():
             return output
         flat, spec = tree_flatten(output)
         slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not slots:
             return output
-        if self.find_unused_parameters:
+        sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
+        if sync and self.find_unused_parameters:
             self._note_reachable([flat[i] for i in slots])
-        armed = _ArmBackward.apply(self.reducer, *[flat[i] for i in slots])
+        armed = _ArmBackward.apply(self.reducer, sync, *[flat[i] for i in slots])
         for i, tensor in zip(slots, armed):
             flat[i] = tensor
         return tree_unflatten(flat, spec)
@@ -138,6 +140,11 @@ class DistributedDataParallel(TorchDDP):
             if node is None or node in seen:
                 continue
             seen.add(node)
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                # A custom autograd Function may run autograd inside its backward (reentrant checkpointing
+                # does) and reach parameters the graph does not show: assume every parameter is reachable.
+                self._reached = set(range(len(self.reducer.params)))
+                break
             variable = getattr(node, "variable", None)
             if variable is not None:
                 index = self._param_index.get(id(variable))
@@ -149,7 +156,9 @@ class DistributedDataParallel(TorchDDP):
     # -- the torch surface ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next synchronised one reduces the sum."""
+        """Forward and backward passes run inside accumulate gradients locally; the next synchronised backward
+        reduces the sum. As with torch's wrapper, the forward decides: a backward of a forward run inside does
+        not synchronise, whether or not it runs inside too."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -215,18 +224,23 @@ class ReplicaDivergenceError(RuntimeError):
 
 
 class _ArmBackward(torch.autograd.Function):
-    """A pass-through whose backward runs first in the outer backward pass and opens the reducer's window."""
+    """A pass-through whose backward runs first in the outer backward pass and opens the reducer's window.
+
+    Its outputs are copies, not views, so that users may modify them in place (`logits /= temperature`), as
+    they may with torch's wrapper, which copies too.
+    """
 
     @staticmethod
-    def forward(ctx, reducer: Reducer, *tensors: torch.Tensor):
+    def forward(ctx, reducer: Reducer, sync: bool, *tensors: torch.Tensor):
         ctx.reducer = reducer
+        ctx.sync = sync
         ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.reducer.arm(sync=True)
-        return (None, *grads)
+        ctx.reducer.arm(sync=ctx.sync)
+        return (None, None, *grads)
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
@@ -248,7 +262,8 @@ def _check_devices(module: nn.Module, device_ids, output_device):
         raise ValueError(f"device_ids={device_ids} is only for a module on one CUDA device, but this module's "
                          f"parameters are on {sorted(map(str, devices))}; leave device_ids=None for CPU or "
                          "multi-device modules")
-    index = torch.device("cuda", device_ids[0]).index if isinstance(device_ids[0], int) else device_ids[0].index
+    wanted = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+    index = wanted.index
     (device,) = devices
     if device.index != index:
         raise ValueError(f"device_ids={device_ids} but the module is on {device}; move it with "

@@ -59,7 +59,7 @@ class StallMonitor:
         self.waiting: tuple[int, str, str, float] | None = None  # (seq, op, what, since)
         self.done_seq = 0
         self.done_what = ""
-        self.diagnosis: str | None = None
+        self.diagnosis: tuple[int, str] | None = None  # (sequence number, explanation) of the current stall
         self._explained_seq = -1
         self._stop = threading.Event()
         self._previous_excepthook = sys.excepthook
@@ -73,8 +73,14 @@ class StallMonitor:
 
     def leave(self, seq: int, op: str, what: str) -> None:
         self.waiting = None
+        self.diagnosis = None
         self.done_seq = seq
         self.done_what = f"{op} ({what})"
+
+    def diagnosis_of(self, seq: int) -> str | None:
+        """The explanation printed for collective `seq`, if its stall was explained."""
+        found = self.diagnosis
+        return found[1] if found is not None and found[0] == seq else None
 
     def stop(self) -> None:
         self._stop.set()
@@ -96,8 +102,9 @@ class StallMonitor:
                 if waiting is not None and waiting[0] != self._explained_seq \
                         and time.monotonic() - waiting[3] > self.threshold_s:
                     self._explained_seq = waiting[0]
-                    self.diagnosis = self.explain()
-                    print(f"[ddpkit rank {self.rank}] {self.diagnosis}", file=sys.stderr, flush=True)
+                    text = self.explain()
+                    self.diagnosis = (waiting[0], text)
+                    print(f"[ddpkit rank {self.rank}] {text}", file=sys.stderr, flush=True)
             except Exception:  # noqa: BLE001 - the store is gone with rank 0: the job is ending, and the
                 return  # monitor must never be what fails (nor retry into a flood of store warnings)
 
@@ -189,9 +196,16 @@ class StallMonitor:
         if not self.exit_on_peer_failure:
             return
         _raise_in_thread(self.main_thread, PeerFailedError)
-        self.main_thread.join(PEER_FAILURE_GRACE_S)
-        if self.main_thread.is_alive():  # stuck in a collective that will only end at the timeout
-            os._exit(1)
+        while True:
+            self.main_thread.join(PEER_FAILURE_GRACE_S)
+            if not self.main_thread.is_alive():
+                return
+            if self.waiting is not None:  # stuck in a collective that would only end at the timeout
+                print(f"[ddpkit rank {self.rank}] still waiting in collective #{self.waiting[0]} "
+                      f"{self.waiting[1]} ({self.waiting[2]}) for the failed rank {rank}: exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            # Otherwise the main thread handles the error in Python (an emergency checkpoint, say): let it.
 
 
 def _indent(text: str) -> str:

@@ -3,11 +3,15 @@
 Read top-down, the life of one synchronised backward pass (a "window"):
 
 1. Arm. The first autograd node of the backward pass (a pass-through wrapped around the forward's outputs by
-   the DDP wrapper, or failing that the first gradient hook) opens the window and queues `_finalize` on the
-   autograd engine, so that it runs once the *outermost* backward is done, also under reentrant checkpointing.
+   the DDP wrapper) opens the window and queues `_finalize` on the autograd engine, so that it runs once the
+   *outermost* backward is done, also under reentrant checkpointing. (When the outputs could not be wrapped,
+   the first gradient hook opens it instead; inside a reentrant checkpoint that is an inner backward, whose end
+   then reduces early: the gradients stay right, at the cost of extra all-reduces.)
 2. Hook. Each parameter's post-accumulate-grad hook counts how often its gradient was accumulated. When the
    count reaches the number learned in the first iteration, the parameter is ready; a bucket whose parameters
-   are all ready is launched, strictly in bucket-index order on every rank, so collectives always match.
+   are all ready is launched, strictly in bucket-index order on every rank, so collectives always match. With
+   several wrappers on one process group inside one backward, buckets wait for the finalizes instead, which run
+   in the same order on every rank.
 3. Launch. The bucket's gradients are copied into its flat buffer, divided by the world size and all-reduced
    asynchronously (or handed to a comm hook) while backward goes on.
 4. Finalize. Buckets that never filled (their parameters got no gradient on this rank) are launched with
@@ -164,6 +168,7 @@ class _Bucket:
         self.launched = False
         self.work: Any = None
         self.future: torch.futures.Future | None = None
+        self.record: Any = None  # what the comm hook's collective is, for the stall inspector
 
 
 class Reducer:
@@ -225,31 +230,46 @@ class Reducer:
         task = torch._C._current_graph_task_id()
         if self.armed:
             if task == self.graph_task:  # several DDP outputs feed one backward: one window
-                self.sync = self.sync or sync
+                if sync and not self.sync:
+                    self._open_sync()
                 return
             self._abandon()  # the previous backward raised before its finalize ran
         self.armed = True
-        self.sync = sync
+        self.sync = False
         self.graph_task = task
         if sync:
-            self.fires = [0] * len(self.params)
-            self.filled = [False] * len(self.params)
-            self.next_launch = 0
-            self.launched_during_backward = 0
-            for bucket in self.buckets:
-                bucket.pending = len(bucket.members)
-                bucket.launched = False
-            if not self.learning:
-                for i in self.unreachable:
-                    self.fires[i] = self.expected[i]
-                    self._count_ready(i)
+            self._open_sync()
         Variable._execution_engine.queue_callback(self._finalize)
 
+    def _open_sync(self) -> None:
+        self.sync = True
+        self.comm.open_sync_windows += 1
+        self.fires = [0] * len(self.params)
+        self.filled = [False] * len(self.params)
+        self.next_launch = 0
+        self.launched_during_backward = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.members)
+            bucket.launched = False
+        if not self.learning:
+            for i in self.unreachable:
+                self.fires[i] = self.expected[i]
+                self._count_ready(i)
+
+    def _close(self) -> None:
+        if self.sync:
+            self.comm.open_sync_windows -= 1
+        self.armed = False
+
     def _abandon(self) -> None:
+        """The previous backward raised before its finalize: drop what it counted (its uses too)."""
         for bucket in self.buckets:
             if bucket.launched:
                 self._wait(bucket)
-        self.armed = False
+        self._close()
+        self.used = [False] * len(self.params)
+        self.num_used = 0
+        self.fired_order = []
 
     # -- 2. hook -------------------------------------------------------------------------------------------------
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
@@ -278,6 +298,14 @@ class Reducer:
                 self._launch_ready()
         elif count > expected:
             bucket = self.buckets[self.bucket_of[index]]
+            if bucket.launched and index in self.unreachable_set:
+                raise RuntimeError(
+                    f"parameter '{self.names[index]}' received a gradient although find_unused_parameters' walk "
+                    "of the forward graph found no path to it, and its bucket was already reduced. Something in "
+                    "the forward hid the parameter from the graph (a custom autograd Function that runs autograd "
+                    "inside its backward, say). Construct the wrapper with find_unused_parameters=False: ddpkit "
+                    "handles unused parameters without it."
+                )
             if bucket.launched:
                 raise RuntimeError(
                     f"parameter '{self.names[index]}' received gradient number {count} in this backward pass "
@@ -300,7 +328,15 @@ class Reducer:
 
     # -- 3. launch -----------------------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
-        """Launch every complete bucket that is next in index order."""
+        """Launch every complete bucket that is next in index order.
+
+        Only while this is the one reducer of its process group with an open window: with two wrappers in one
+        backward (a model and a sub-model, a GAN's two halves) the interleaving of their launches would depend
+        on which parameters each rank used, and the collectives would pair up wrongly across ranks. Then every
+        bucket waits for its finalize, and the finalizes run in the order the windows opened, on every rank.
+        """
+        if self.comm.open_sync_windows > 1:
+            return
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.buckets[self.next_launch])
             self.launched_during_backward += 1
@@ -320,6 +356,7 @@ class Reducer:
             if self.comm_hook is None:
                 bucket.work = self.comm.all_reduce(bucket.storage, what, async_op=True)
             else:
+                bucket.record = self.comm.note("comm_hook", what, bucket.grad_numel * bucket.storage.element_size())
                 bucket.future = self.comm_hook(self.comm_hook_state, bucket.public)
                 if not isinstance(bucket.future, torch._C.Future):
                     raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")
@@ -329,12 +366,11 @@ class Reducer:
     def _fill_one(self, index: int) -> None:
         """Divide one ready gradient into its bucket view now (see EAGER_NUMEL)."""
         view, grad = self.view_of[index], self.params[index].grad
+        if grad.data_ptr() == view.data_ptr():
+            return  # already in place (gradient_as_bucket_view); divided at launch, when no more can arrive
         with torch.no_grad():
-            if grad.data_ptr() == view.data_ptr():
-                view.div_(self.comm.world_size)
-            else:
-                # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
-                torch.div(grad, self.comm.world_size, out=view)
+            # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
+            torch.div(grad, self.comm.world_size, out=view)
         self.filled[index] = True
 
     def _fill(self, bucket: _Bucket, divide: bool) -> None:
@@ -367,7 +403,7 @@ class Reducer:
 
     # -- 4. finalize ---------------------------------------------------------------------------------------------
     def _finalize(self) -> None:
-        self.armed = False
+        self._close()
         if not self.sync:
             return  # no_sync: gradients stay local and keep accumulating; their uses are remembered
         self.windows += 1
@@ -414,7 +450,7 @@ class Reducer:
         """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
         order = ready_order(self.fired_order, len(self.params))
         if self.comm.distributed:
-            shared = torch.tensor(order, dtype=torch.int64)
+            shared = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)  # NCCL needs it there
             self.comm.broadcast(shared, src=0, what="bucket order")
             order = shared.tolist()
         self.rebuilt_order = order
@@ -451,7 +487,7 @@ class Reducer:
         """Wait for a launched bucket; the tensor a comm hook produced, or None for the built-in all-reduce."""
         result = None
         if bucket.future is not None:
-            result = self.comm.wait(bucket.future)
+            result = self.comm.wait(bucket.future, bucket.record)
             bucket.future = None
             if isinstance(result, (list, tuple)):
                 result = result[0]
