@@ -51,6 +51,10 @@ def stall_threshold_beyond_timeout():
     ddpkit.TrainingArguments(output_dir="unused", ddp_timeout=60, ddp_stall_seconds=90)
 
 
+def infinite_logging_steps():
+    ddpkit.TrainingArguments(output_dir="unused", logging_steps=float("inf"))
+
+
 def zero_timeout():
     ddpkit.init_process_group(timeout=0)
 
@@ -114,6 +118,7 @@ CATALOGUE = [
     ("non-positive bucket size (args)", negative_bucket_in_args, ddpkit.ArgumentError, r"ddp_bucket_cap_mb"),
     ("stall threshold not below the timeout (args)", stall_threshold_beyond_timeout, ddpkit.ArgumentError,
      r"ddp_stall_seconds.*below ddp_timeout"),
+    ("infinite logging steps (args)", infinite_logging_steps, ddpkit.ArgumentError, r"logging_steps.*finite"),
     ("non-positive timeout", zero_timeout, ValueError, r"timeout must be positive"),
     ("non-positive timeout (args)", negative_timeout_in_args, ddpkit.ArgumentError, r"ddp_timeout"),
     ("world size larger than the processes", world_size_too_large, ddpkit.LaunchError,

@@ -202,6 +202,14 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     text = launch.failure_summary({0: failure(0, -15), 1: failure(1, 3)}, {1: str(out)})
     assert "root cause: rank 1" in text and "exited with code 3" in text and "line 49" in text
     assert "line 29" not in text  # only the tail
+    # torchelastic's "<NONE>" for a worker without an error file is no traceback: its output tail is shown,
+    # and a peer that raised only because that worker vanished is not blamed
+    killed = failure(0, -9)
+    killed.error_file, killed.error_file_data = str(tmp_path / "missing.json"), {"message": "<NONE>"}
+    consequence = failure(1, -15, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1", when=500)
+    assert launch.root_cause({0: killed, 1: consequence}) == 0
+    text = launch.failure_summary({0: killed, 1: consequence}, {0: str(out)})
+    assert "root cause: rank 0" in text and "<NONE>" not in text and "line 49" in text
 
 
 # ---------------------------------------------------------------------------------------------------------

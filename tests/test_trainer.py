@@ -438,3 +438,72 @@ def test_report_to_tensorboard(tmp_path, local_world):
     else:
         trainer.train()
         assert os.listdir(tmp_path / "runs")
+
+
+class ItemsAware(nn.Module):
+    """Divides a summed loss by num_items_in_batch when it is given, as Transformers models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(6, 3)
+
+    def forward(self, x, labels=None, num_items_in_batch=None):
+        logits = self.net(x)
+        if num_items_in_batch is None:
+            return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+        return {"loss": F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch, "logits": logits}
+
+
+class TupleTrainer(Trainer):
+    """Batches are (x, labels) tuples: num_items_in_batch cannot reach the model's forward."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(inputs[0], inputs[1])
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+    def count_items(self, batch):
+        return len(batch[1])
+
+
+def test_tuple_batches_with_an_items_aware_model_are_normalised(tmp_path, local_world):
+    """Accumulating 4 micro-batches of 2 must give the loss and update of one batch of 8."""
+    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    data = list(zip(x, y))
+    results = []
+    for batch, accum in ((8, 1), (2, 4)):
+        torch.manual_seed(0)
+        model = ItemsAware()
+        args = _args(tmp_path / f"b{batch}", per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                     max_steps=1, learning_rate=0.1, lr_scheduler_type="constant", warmup_steps=0,
+                     max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, save_strategy="no")
+        trainer = TupleTrainer(model, args, train_dataset=data)
+        trainer.train()
+        results.append((trainer.state.log_history[0]["loss"], _params(model)))
+    (loss_one, params_one), (loss_accum, params_accum) = results
+    assert abs(loss_one - loss_accum) < 1e-6, (loss_one, loss_accum)
+    for a, b in zip(params_one, params_accum):
+        assert np.allclose(a, b, atol=1e-6)
+
+
+def epochs_across_worlds(world, out, resume):
+    torch.manual_seed(0)
+    args = _args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                 num_train_epochs=2, save_strategy="steps", save_steps=2)
+    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer.seen, trainer.state.global_step
+
+
+def test_training_by_epochs_resumed_on_another_world_size_covers_every_epoch(tmp_path):
+    """2 ranks x 2 x 2 = 8 samples a step (6 steps for 2 epochs of 24); resumed on 1 rank (4 a step) after
+    step 2, the run must still cover the rest of both epochs: 32 more samples, not the 4 steps the first
+    plan had left."""
+    out = str(tmp_path)
+    two = run_world(epochs_across_worlds, 2, args=(out, None), deadline_s=120)
+    assert two[0][1] == 6
+    ((seen, last_step),) = run_world(epochs_across_worlds, 1, args=(out, f"{out}/w2/checkpoint-2"), deadline_s=120)
+    assert last_step == 10
+    first_part = [i for rank in two for step, epoch, ids in rank[0] if step <= 2 for i in ids]
+    epoch0 = [i for step, epoch, ids in seen if epoch == 0 for i in ids] + first_part
+    epoch1 = [i for step, epoch, ids in seen if epoch == 1 for i in ids]
+    assert sorted(epoch0) == list(range(24)) and sorted(epoch1) == list(range(24))

@@ -108,7 +108,7 @@ class TrainingArguments:
             self.eval_steps = self.logging_steps
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
-            if value >= 1:
+            if 1 <= value < math.inf:  # validate() names a non-finite one
                 setattr(self, name, int(value))
         validate(self)
 
@@ -210,7 +210,11 @@ def validate(args: TrainingArguments) -> None:
     for name in ("eval_strategy", "save_strategy"):
         need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
     for name in ("logging_steps", "eval_steps", "save_steps"):
-        need(getattr(args, name) > 0, name, "must be > 0 (a float < 1 is a fraction of the total steps)")
+        need(0 < getattr(args, name) < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the "
+                                                       "total steps)")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "warmup_steps"):
+        need(float(getattr(args, name)).is_integer(), name, "must be a whole number")
     need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
          "must be >= 1, or unset to keep every checkpoint")
     need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")

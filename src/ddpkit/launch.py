@@ -431,29 +431,46 @@ def _describe(failure) -> str:
 
 
 def _traceback(failure) -> str | None:
+    # torchelastic fills in {"message": "<NONE>"} for a worker that left no error file: that is no traceback.
+    if not os.path.isfile(getattr(failure, "error_file", "") or ""):
+        return None
     message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     if isinstance(message, dict):
-        return message.get("extraInfo", {}).get("py_callstack") or message.get("message")
-    return message or None
+        message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
+    return None if message in (None, "", "<NONE>") else message
+
+
+# Words of an error raised because another rank had died first: a consequence, never the root cause.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "PeerFailedError", "Broken pipe",
+              "remote process exited", "ProcessGroupNCCL is aborted")
 
 
 def root_cause(failures: Mapping[int, Any]) -> int:
     """The global rank whose failure caused the others.
 
-    A recorded traceback beats everything (the others were stopped because of it), the earliest written first;
-    then a worker that died on its own (an exit code, or a signal other than the SIGTERM/SIGKILL the agent
-    sends to the survivors). torchelastic's own choice, the earliest timestamp, counts whole seconds, so it
+    A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
+    unless it only says that a peer was gone; then a worker that died on its own (an exit code, or a signal
+    other than the SIGTERM/SIGKILL the agent sends to the survivors); then a killed one. torchelastic's own choice, the earliest timestamp, counts whole seconds, so it
     often names a survivor that was merely stopped, or one that raised only because its peer had died; the
     error file's modification time orders them to the nanosecond.
     """
     def key(rank):
         failure = failures[rank]
+        trace = _traceback(failure)
         stopped_by_agent = failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
         try:
             when = os.stat(failure.error_file).st_mtime_ns / 1e9
         except (OSError, TypeError):
             when = float(failure.timestamp)
-        return (_traceback(failure) is None, stopped_by_agent, when, rank)
+        if trace is not None and not any(marker in trace for marker in _PEER_GONE):
+            tier = 0  # raised on its own
+        elif trace is None and not stopped_by_agent:
+            tier = 1  # died on its own: an exit code, or a signal the agent does not send
+        elif trace is None:
+            tier = 2  # killed: by the agent, or by itself
+        else:
+            tier = 3  # raised only because a peer had already gone
+        return (tier, when, rank)
 
     return min(failures, key=key)
 

@@ -214,8 +214,13 @@ class Trainer:
             raise ValueError("the training data gives no batch on any rank")
         if args.max_steps > 0:
             max_steps = args.max_steps
-        elif resumed is not None and resumed.max_steps:
-            max_steps = resumed.max_steps  # the schedule keeps its length when the world size changes
+        elif resumed is not None and resumed.max_steps and resumed.world_size == self.world.world_size:
+            max_steps = resumed.max_steps  # the same plan, so the resumed run is the uninterrupted one
+        elif resumed is not None:
+            # Another world size: a step covers another number of samples, so the steps left are re-planned from
+            # the epochs left (the learning-rate schedule is stretched or shrunk to the new total).
+            left = max(0.0, args.num_train_epochs - resumed.epoch)
+            max_steps = resumed.global_step + math.ceil(left * steps_per_epoch)
         else:
             max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         state = self.state
@@ -239,9 +244,14 @@ class Trainer:
                              "processes train on it: every rank needs at least one sample of its own. Start fewer "
                              "processes (--nproc-per-node) or use more data")
         resume = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        if resume in (None, False) and self.world.restart > 0:
-            # Restarted by the launcher (--max-restarts): continue from the newest checkpoint, if there is one.
-            resume = checkpoint.find_latest_checkpoint(self.args.output_dir)
+        if self.world.restart > 0:
+            # Restarted by the launcher (--max-restarts): continue from the newest checkpoint, if there is one,
+            # unless the checkpoint asked for is newer (never go back to redo work done since).
+            latest = checkpoint.find_latest_checkpoint(self.args.output_dir)
+            named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
+            if latest is not None and (named is None or checkpoint.checkpoint_step(latest) >
+                                       (checkpoint.checkpoint_step(named) or -1)):
+                resume = latest
         resume_path = self._resume_path(resume)
         sampler = self.get_train_sampler()
         self._plan(self.get_train_dataloader(sampler), _read_state(resume_path) if resume_path else None)
@@ -262,7 +272,7 @@ class Trainer:
         run.bar.close()
         if self.state.should_stop:
             # SIGTERM: one checkpoint at the exact next sample, then a clean return (the script exits 0).
-            if not os.path.isdir(self._checkpoint_dir(self.state.global_step)):
+            if not self._checkpoint_exists(self.state.global_step):
                 self._save_checkpoint(sampler)
             self._finish_reports()
             return TrainOutput(self.state.global_step, run.loss_sum / max(1, run.clock.steps), {"stopped": 1.0})
@@ -305,10 +315,10 @@ class Trainer:
             self.state.epoch = epoch + min(1.0, consumed / max(1, len(self.train_dataset)))
             self._after_step(run, step_loss, grad_norm, window.samples)
             self._maybe_check_replicas()
+            self._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
             if window.stop:
                 self.state.should_stop = True
                 return False
-            self._maybe_evaluate_and_save(sampler, step_end=True)
         return False
 
     def _maybe_check_replicas(self) -> None:
@@ -380,7 +390,7 @@ class Trainer:
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
         with self._autocast():
-            if self.model_accepts_loss_kwargs:
+            if self.model_accepts_loss_kwargs and isinstance(inputs, Mapping):  # the keyword reaches the model
                 # The model divides its summed loss by the count we pass: its loss is already its share.
                 share = self.compute_loss(model, inputs, num_items_in_batch=torch.tensor(global_items))
             else:
@@ -447,7 +457,7 @@ class Trainer:
             save = args.save_strategy == "steps" and step % state.save_steps == 0
         elif final:
             evaluate = args.eval_strategy != "no" and not self._logged("eval_loss", step)
-            save = args.save_strategy != "no" and not os.path.isdir(self._checkpoint_dir(step))
+            save = args.save_strategy != "no" and not self._checkpoint_exists(step)
         else:
             evaluate, save = args.eval_strategy == "epoch", args.save_strategy == "epoch"
         if evaluate and self.eval_dataset is not None:
@@ -457,6 +467,12 @@ class Trainer:
 
     def _logged(self, key: str, step: int) -> bool:
         return any(key in e and e.get("step") == step for e in self.state.log_history)
+
+    def _checkpoint_exists(self, step: int) -> bool:
+        """Whether checkpoint-<step> is written, as rank 0 sees it: every rank must take the same decision,
+        also on nodes that do not share a file system (saving is a collective)."""
+        here = os.path.isdir(self._checkpoint_dir(step)) if self.world.is_main else None
+        return bool(self.comm.broadcast_object(here, src=0, what=f"checkpoint-{step} exists?"))
 
     def _checkpoint_dir(self, step: int) -> str:
         return os.path.join(self.args.output_dir, f"{checkpoint.PREFIX}-{step}")
@@ -485,8 +501,10 @@ class Trainer:
         start = time.perf_counter()
         # Rank r takes samples r, r+N, r+2N, ...: no padding, so no sample is counted twice.
         mine = list(range(self.world.rank, len(dataset), self.world.world_size))
+        # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
         loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=mine,
-                            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers)
+                            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                            generator=torch.Generator().manual_seed(_data_seed(self.args)))
         model = self.model
         was_training = model.training
         model.eval()
