@@ -507,3 +507,43 @@ def test_training_by_epochs_resumed_on_another_world_size_covers_every_epoch(tmp
     epoch0 = [i for step, epoch, ids in seen if epoch == 0 for i in ids] + first_part
     epoch1 = [i for step, epoch, ids in seen if epoch == 1 for i in ids]
     assert sorted(epoch0) == list(range(24)) and sorted(epoch1) == list(range(24))
+
+
+def restarted_with_a_named_checkpoint(world, out):
+    """The launcher restarted the job (TORCHELASTIC_RESTART_COUNT=1) whose arguments name an older checkpoint:
+    it must continue from the newest one, not redo the steps since, and rotation must have kept the named one."""
+    torch.manual_seed(0)
+    args = _args(f"{out}/run", per_device_train_batch_size=2, max_steps=8, save_strategy="steps", save_steps=2,
+                 save_total_limit=1, resume_from_checkpoint=f"{out}/run/checkpoint-2")
+    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer.train()
+    return trainer.seen, trainer.world.restart
+
+
+def first_run(world, out):
+    args = _args(f"{out}/first", per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(Classifier().double(), args, classification_data(24)).train()
+
+
+def test_a_restart_continues_from_the_newest_checkpoint(tmp_path):
+    import shutil
+
+    out = str(tmp_path)
+    run_world(first_run, 2, args=(out,), deadline_s=120)
+    # The first attempt of the job, resumed from run/checkpoint-2, got to checkpoint-6 before failing.
+    os.makedirs(f"{out}/run")
+    for step in (2, 6):
+        shutil.copytree(f"{out}/first/checkpoint-2", f"{out}/run/checkpoint-{step}")
+        with open(f"{out}/run/checkpoint-{step}/trainer_state.json") as f:
+            state = json.load(f)
+        state["global_step"] = step
+        with open(f"{out}/run/checkpoint-{step}/trainer_state.json", "w") as f:
+            json.dump(state, f)
+    results = run_world(restarted_with_a_named_checkpoint, 2, args=(out,), deadline_s=120,
+                        env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    for seen, restart in results:
+        assert restart == 1
+        assert min(step for step, _, _ in seen) == 7, "the restart went back before the newest checkpoint"
+    # save_total_limit=1 rotated the others away, but never the checkpoint the arguments name
+    kept = sorted(name for name in os.listdir(f"{out}/run") if name.startswith("checkpoint-"))
+    assert kept == ["checkpoint-2", "checkpoint-8"], kept

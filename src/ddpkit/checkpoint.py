@@ -159,12 +159,14 @@ def remove_stale(output_dir: str) -> None:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
-def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str | None = None) -> list[str]:
-    """Delete the oldest checkpoints beyond save_total_limit (never `keep`); the deleted paths."""
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
+                       keep: str | tuple[str, ...] | None = None) -> list[str]:
+    """Delete the oldest checkpoints beyond save_total_limit (never those in `keep`); the deleted paths."""
     if save_total_limit is None:
         return []
+    kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
     found = list_checkpoints(output_dir)
-    doomed = [p for p in found[:max(0, len(found) - save_total_limit)] if p != keep]
+    doomed = [p for p in found[:max(0, len(found) - save_total_limit)] if os.path.abspath(p) not in kept]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -186,10 +188,11 @@ def _publish(tmp: str, final: str) -> None:
 def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, trainer_state: dict,
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
-                    save_total_limit: int | None = None) -> str:
+                    save_total_limit: int | None = None, keep: tuple[str, ...] = ()) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
+    keep: checkpoints that rotation must not delete (the one this run resumed from: a restart names it again).
     """
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
@@ -202,7 +205,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
             os.makedirs(tmp)
             _write_folder(tmp, model, optimizer, scheduler, trainer_state, sampler_state, rng_states)
             _publish(tmp, final)
-            rotate_checkpoints(output_dir, save_total_limit, keep=final)
+            rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
             outcome = f"{type(exc).__name__}: {exc}"
     # The barrier: every rank waits for rank 0's write and learns whether it worked.

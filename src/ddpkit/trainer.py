@@ -148,6 +148,7 @@ class Trainer:
                                                  stall_seconds=args.ddp_stall_seconds)
         self.comm = Comm.for_group()
         self._stop_requested = False  # set by SIGTERM; the ranks agree on it at the next optimizer step
+        self._resumed_from: str | None = None  # the checkpoint named in the arguments: never rotated away
         set_seed(args.seed)
         if args.gradient_checkpointing:
             _enable_gradient_checkpointing(model)
@@ -253,6 +254,8 @@ class Trainer:
                                        (checkpoint.checkpoint_step(named) or -1)):
                 resume = latest
         resume_path = self._resume_path(resume)
+        named = self.args.resume_from_checkpoint
+        self._resumed_from = named if isinstance(named, str) else None
         sampler = self.get_train_sampler()
         self._plan(self.get_train_dataloader(sampler), _read_state(resume_path) if resume_path else None)
         self.create_optimizer()
@@ -481,7 +484,8 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.args.output_dir, self.state.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(), sampler_state=sampler.state_dict(),
-            comm=self.comm, world=self.world, save_total_limit=self.args.save_total_limit)
+            comm=self.comm, world=self.world, save_total_limit=self.args.save_total_limit,
+            keep=(self._resumed_from,) if self._resumed_from else ())
 
     def _resume_path(self, resume: str | bool | None) -> str | None:
         if resume in (None, False):
