@@ -436,8 +436,13 @@ def test_report_to_tensorboard(tmp_path, local_world):
             trainer.train()
         assert os.path.exists(tmp_path / "metrics.jsonl")
     else:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
         trainer.train()
-        assert os.listdir(tmp_path / "runs")
+        events = EventAccumulator(str(tmp_path / "runs"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+        assert "train/learning_rate" in events.Tags()["scalars"]
 
 
 class ItemsAware(nn.Module):
