@@ -272,13 +272,15 @@ class Trainer:
                 epoch += 1
                 sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
                 self._maybe_evaluate_and_save(sampler, step_end=False)
-        run.bar.close()
-        if self.state.should_stop:
-            # SIGTERM: one checkpoint at the exact next sample, then a clean return (the script exits 0).
-            if not self._checkpoint_exists(self.state.global_step):
-                self._save_checkpoint(sampler)
-            self._finish_reports()
-            return TrainOutput(self.state.global_step, run.loss_sum / max(1, run.clock.steps), {"stopped": 1.0})
+            run.bar.close()
+            if self.state.should_stop:
+                # SIGTERM: one checkpoint at the exact next sample, then a clean return (the script exits 0).
+                # Still inside the handler: a second SIGTERM must not kill the save half-way.
+                if not self._checkpoint_exists(self.state.global_step):
+                    self._save_checkpoint(sampler)
+                self._finish_reports()
+                return TrainOutput(self.state.global_step, run.loss_sum / max(1, run.clock.steps),
+                                   {"stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
         metrics = {"train_runtime": run.clock.elapsed(), "train_samples_per_second": run.clock.rate(),
                    "train_steps_per_second": run.clock.steps_rate(),
