@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import clean_env
+from test_launch import clean_env, free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
 
 
 def _accelerate(out: Path, *extra: str) -> list[dict]:
     command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, str(out), *extra]
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+               SCRIPT, str(out), *extra]
     proc = subprocess.Popen(command, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -244,15 +244,18 @@ def compat_runs(tmp_path_factory):
     runs = {
         "ddpkit": lambda: run([*LAUNCH, "--nproc-per-node", "2", "--log-dir", str(root / "logs"), SCRIPT,
                                "--out", str(root / "ddpkit"), "--print-env"]),
-        "torchrun": lambda: run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT,
-                                 "--out", str(root / "torchrun")], tmp_env),
+        # explicit free ports: torchrun and accelerate both default to 29500, and runs overlap two at a time
+        "torchrun": lambda: run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(free_port()), SCRIPT, "--out", str(root / "torchrun")],
+                                tmp_env),
         "slurm": lambda: _slurm_run(root / "slurm"),
         "python": lambda: run([sys.executable, SCRIPT, "--out", str(root / "python")]),
     }
     if shutil.which("accelerate"):
         runs["accelerate"] = lambda: run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-                                          "no", SCRIPT, "--out", str(root / "accelerate")], tmp_env)
+                                          "no", "--main_process_port", str(free_port()), SCRIPT, "--out",
+                                          str(root / "accelerate")], tmp_env)
     # two at a time: each run is mostly torch imports, and a CI runner has at least two cores
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(fn) for name, fn in runs.items()}

@@ -10,13 +10,15 @@ What differs from torch's: a parameter that gets no gradient never hangs and nev
 whatever `find_unused_parameters` says (see `Reducer`); `find_unused_parameters=True` only adds a walk of
 the autograd graph after each forward, so that buckets holding parameters the forward did not reach are
 launched during backward instead of at its end (a graph with custom autograd Functions, reentrant
-checkpointing among them, is treated as reaching every parameter). Two backward passes after two forwards, and layers used several
-times under reentrant activation checkpointing, give the gradients one process would compute.
+checkpointing among them, is treated as reaching every parameter). Two backward passes after two forwards,
+and layers used several times under reentrant activation checkpointing, give the gradients one process
+would compute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,17 +118,20 @@ class DistributedDataParallel(TorchDDP):
     def _post_forward(self, output: Any) -> Any:
         if self.reducer is None or not torch.is_grad_enabled():
             return output
-        flat, spec = tree_flatten(output)
-        slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not slots:
-            return output
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
+        if not nodes:
+            return output  # nothing to arm: the first gradient hook opens the window instead
         sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
         if sync and self.find_unused_parameters:
-            self._note_reachable([flat[i] for i in slots])
-        armed = _ArmBackward.apply(self.reducer, sync, *[flat[i] for i in slots])
-        for i, tensor in zip(slots, armed):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+            self._note_reachable(tensors)
+        # A pre-hook on the nodes that produced the outputs runs first in the backward pass that uses them, in
+        # the outermost graph task, and costs no copy: the outputs are returned as they are, so users may even
+        # change them in place.
+        arm = functools.partial(_arm_window, self.reducer, sync)
+        for node in nodes:
+            node.register_prehook(arm)
+        return output
 
     def _note_reachable(self, outputs: list[torch.Tensor]) -> None:
         """Walk the graph the forward built; parameters it cannot reach need not be waited for in backward."""
@@ -223,24 +228,9 @@ class ReplicaDivergenceError(RuntimeError):
     """The replicas of the model are no longer identical across ranks."""
 
 
-class _ArmBackward(torch.autograd.Function):
-    """A pass-through whose backward runs first in the outer backward pass and opens the reducer's window.
-
-    Its outputs are copies, not views, so that users may modify them in place (`logits /= temperature`), as
-    they may with torch's wrapper, which copies too.
-    """
-
-    @staticmethod
-    def forward(ctx, reducer: Reducer, sync: bool, *tensors: torch.Tensor):
-        ctx.reducer = reducer
-        ctx.sync = sync
-        ctx.set_materialize_grads(False)
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.reducer.arm(sync=ctx.sync)
-        return (None, None, *grads)
+def _arm_window(reducer: Reducer, sync: bool, grad_outputs: Any) -> None:
+    """Pre-hook of the forward's output nodes: open the reducer's window for the backward that is starting."""
+    reducer.arm(sync)
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

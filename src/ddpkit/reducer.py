@@ -2,11 +2,11 @@
 
 Read top-down, the life of one synchronised backward pass (a "window"):
 
-1. Arm. The first autograd node of the backward pass (a pass-through wrapped around the forward's outputs by
-   the DDP wrapper) opens the window and queues `_finalize` on the autograd engine, so that it runs once the
-   *outermost* backward is done, also under reentrant checkpointing. (When the outputs could not be wrapped,
-   the first gradient hook opens it instead; inside a reentrant checkpoint that is an inner backward, whose end
-   then reduces early: the gradients stay right, at the cost of extra all-reduces.)
+1. Arm. The first autograd node of the backward pass (the node that produced a forward output, on which the
+   DDP wrapper registered a pre-hook) opens the window and queues `_finalize` on the autograd engine, so that
+   it runs once the *outermost* backward is done, also under reentrant checkpointing. (When no output node
+   could take the hook, the first gradient hook opens it instead; inside a reentrant checkpoint that is an
+   inner backward, whose end then reduces early: the gradients stay right, at the cost of extra all-reduces.)
 2. Hook. Each parameter's post-accumulate-grad hook counts how often its gradient was accumulated. When the
    count reaches the number learned in the first iteration, the parameter is ready; a bucket whose parameters
    are all ready is launched, strictly in bucket-index order on every rank, so collectives always match. With
