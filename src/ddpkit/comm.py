@@ -240,9 +240,6 @@ class Pending:
     work: Any
     record: CollectiveRecord
 
-    def wait(self) -> None:
-        self.work.wait()
-
 
 class _DoneWork:
     """The Work of a collective that needed no communication (a world of one)."""

@@ -219,11 +219,6 @@ class Reducer:
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
     # -- 1. arm --------------------------------------------------------------------------------------------------
     def arm(self, sync: bool) -> None:
         """Open a window for the backward pass that is starting (called from its first autograd node)."""
