@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train, test = load_digits()
     trainer = Trainer(DigitsMLP(), args, train_dataset=train, eval_dataset=test, compute_metrics=accuracy)
     result = trainer.train()
+    if trainer.state.should_stop:  # SIGTERM or Ctrl-C: the checkpoint is written; this is not a finished run
+        if trainer.world.is_main:
+            print(f"stopped at step {result.global_step} of {trainer.state.max_steps}; continue with "
+                  f"--resume_from_checkpoint true --output_dir {args.output_dir}")
+        destroy_process_group()
+        return result.metrics
     metrics = trainer.evaluate()
     trainer.save_model()
     if trainer.world.is_main:

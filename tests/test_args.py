@@ -195,10 +195,47 @@ def test_valid_values_survive_the_command_line(lr, bs, accum, steps, ratio, seed
     assert args.train_batch_size(world_size=2) == 2 * bs * accum
 
 
-def test_args_module_imports_nothing_of_ddpkit():
+def test_args_module_imports_only_the_rank_question_of_env():
     import ddpkit.args as module
 
     with open(module.__file__, encoding="utf-8") as f:
         source = f.read()
-    assert "from ." not in source and "import ddpkit" not in source and "from ddpkit" not in source
+    # One exception: to show a command-line error once, not once per rank, it hands it to env.py (the one module
+    # that reads the launcher's variables, and the lowest layer).
+    local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
+             and line.lstrip().startswith(("import", "from"))]
+    assert local == ["from .env import report_startup_error  # the one module that knows the launcher (rank, "
+                     "error file)"], local
     assert os.path.basename(module.__file__) == "args.py"
+
+
+def test_a_command_line_error_is_one_line_printed_by_rank_zero_only(capsys, monkeypatch):
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--max_steps", "0"])
+        assert exit_.value.code == 2  # every rank fails alike
+        err = capsys.readouterr().err
+        if printed:
+            assert "max_steps" in err and "usage:" not in err and len(err.strip().splitlines()) == 2, err
+        else:
+            assert err == ""
+
+
+def test_under_the_launcher_a_bad_flag_is_reported_once(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "train_digits.py"
+    foreign = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|PET_.*)$")
+    env = {k: v for k, v in os.environ.items() if not foreign.match(k)}
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", str(script),
+                           "--output_dir", str(tmp_path), "--max_steps", "0"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert said.count("max_steps: must be > 0") == 1, said
+    assert "usage:" not in said, said

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from spawn import run_world
 from torch import nn
 
+from ddpkit import integrity
+from ddpkit.checkpoint import write_json
 from ddpkit.args import TrainingArguments
 from ddpkit.trainer import Trainer, write_loss_curve
 
@@ -544,6 +546,9 @@ def test_a_restart_continues_from_the_newest_checkpoint(tmp_path):
         state["global_step"] = step
         with open(f"{out}/run/checkpoint-{step}/trainer_state.json", "w") as f:
             json.dump(state, f)
+        folder = f"{out}/run/checkpoint-{step}"  # a forged checkpoint needs a marker that matches its files
+        names = [n for n in os.listdir(folder) if n != integrity.MARKER_FILE]
+        write_json(os.path.join(folder, integrity.MARKER_FILE), integrity.manifest(folder, names, step))
     results = run_world(restarted_with_a_named_checkpoint, 2, args=(out,), deadline_s=120,
                         env={"TORCHELASTIC_RESTART_COUNT": "1"})
     for seen, restart in results:

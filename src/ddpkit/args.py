@@ -347,6 +347,13 @@ class ArgumentParser(argparse.ArgumentParser):
             out.append(token)
         return out
 
+    def error(self, message: str) -> typing.NoReturn:
+        """One line on the main process, not argparse's full usage once per rank; exits 2 on every rank."""
+        from .env import report_startup_error  # the one module that knows the launcher (rank, error file)
+
+        report_startup_error(f"{self.prog}: error: {message}\n(run with --help to list every option)")
+        self.exit(2)
+
     def parse_args_into_dataclasses(self, args: Sequence[str] | None = None,
                                     allow_extra: bool = False) -> tuple[Any, ...]:
         """One instance per dataclass type, in order; validation errors exit like any argparse error.

@@ -13,22 +13,28 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
     trainer_state.json       global_step, log_history, ... in the Transformers format
+    checkpoint_complete.json the completion marker, written last: every file above with its size
 
 Every rank calls `save_checkpoint` (it gathers the RNG states); rank 0 writes the files into a hidden temporary
 folder and renames it into place, so a checkpoint either exists whole or not at all: a save killed half-way leaves
 only a ``.tmp-checkpoint-*`` folder that nothing loads and the next save removes. The ranks then meet (rank 0
-broadcasts the outcome, so a failed write raises everywhere instead of leaving the others waiting).
+broadcasts the outcome, so a failed write raises everywhere instead of leaving the others waiting). Rotation
+retires an old checkpoint by renaming it to a hidden ``.trash-*`` name first and deleting it after, so a kill
+never leaves a folder that looks finished but does not load. Loading checks the folder against its marker first
+(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import uuid
+import warnings
 from typing import Any
 
 import numpy as np
@@ -37,6 +43,7 @@ from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
+from .integrity import MARKER_FILE, CheckpointError, manifest, problems
 
 PREFIX = "checkpoint"
 MODEL_FILE = "model.safetensors"
@@ -81,9 +88,15 @@ def set_rng_state(state: dict[str, Any] | None) -> None:
 # -- finding ----------------------------------------------------------------------------------------------------
 
 def checkpoint_step(path: str) -> int | None:
-    """The step of a finished checkpoint folder, or None for anything else (temporary folders included)."""
+    """The step of a finished checkpoint folder, or None for anything else (temporary folders included).
+
+    Finished: its completion marker exists (an older ddpkit's folders, which have none, count when their
+    trainer_state.json does; `problems` then tells whether they are whole)."""
     match = _NAME.match(os.path.basename(os.path.normpath(path)))
-    if match is None or not os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+    if match is None:
+        return None
+    if not os.path.isfile(os.path.join(path, MARKER_FILE)) and not os.path.isfile(
+            os.path.join(path, TRAINER_STATE_FILE)):
         return None
     return int(match.group(1))
 
@@ -101,9 +114,25 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+def latest_valid_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """The newest checkpoint in output_dir that is whole, and the newer ones skipped with what is wrong."""
+    skipped = []
+    for path in reversed(list_checkpoints(output_dir)):
+        wrong = problems(path)
+        if not wrong:
+            return path, skipped
+        skipped.append((path, wrong))
+    return None, skipped
+
+
 def find_latest_checkpoint(output_dir: str) -> str | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    """The newest whole checkpoint in output_dir (None: there is none); a newer corrupt one is skipped with a
+    warning that names what is wrong with it."""
+    path, skipped = latest_valid_checkpoint(output_dir)
+    for bad, wrong in skipped:
+        warnings.warn(f"skipping the corrupt checkpoint {bad}: {'; '.join(wrong)}"
+                      + (f"; resuming from {path}" if path else ""), RuntimeWarning, stacklevel=2)
+    return path
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -145,18 +174,32 @@ def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampl
         write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
     for rank, state in enumerate(rng_states):
         torch.save(state, os.path.join(folder, RNG_FILE.format(rank=rank)))
-    # Last, because a folder without it is not a checkpoint (see checkpoint_step).
     write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
-    for name in os.listdir(folder):
+    names = os.listdir(folder)
+    for name in names:
         _fsync(os.path.join(folder, name))
+    # Last, once every other byte is on disk: a folder without the marker is not a checkpoint (checkpoint_step).
+    write_json(os.path.join(folder, MARKER_FILE), manifest(folder, names, trainer_state.get("global_step", -1)))
     _fsync(folder)
 
 
-def remove_stale(output_dir: str) -> None:
-    """Delete what killed saves left behind (hidden temporary and trash folders)."""
+def remove_stale(output_dir: str) -> list[str]:
+    """Delete what killed saves and rotations left behind; the paths removed.
+
+    That is hidden temporary and trash folders, and checkpoint-<step> folders that hold neither a completion
+    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). Call it
+    only while this run owns output_dir (see ddpkit.lock): another run's temporary folder would go too."""
+    if not os.path.isdir(output_dir):
+        return []
+    removed = []
     for name in os.listdir(output_dir):
-        if name.startswith((f".tmp-{PREFIX}-", f".trash-{PREFIX}-")):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        path = os.path.join(output_dir, name)
+        debris = name.startswith((f".tmp-{PREFIX}-", f".trash-{PREFIX}-")) or (
+            _NAME.match(name) is not None and os.path.isdir(path) and checkpoint_step(path) is None)
+        if debris:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
@@ -168,8 +211,19 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
     found = list_checkpoints(output_dir)
     doomed = [p for p in found[:max(0, len(found) - save_total_limit)] if os.path.abspath(p) not in kept]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        _retire(path)
     return doomed
+
+
+def _retire(path: str) -> None:
+    """Delete a checkpoint folder so that no kill leaves it half there: it stops being a checkpoint (a hidden
+    name) in one rename before any file goes; an interrupted delete leaves only a .trash- folder, which
+    remove_stale finds later."""
+    parent = os.path.dirname(os.path.abspath(path))
+    trash = os.path.join(parent, f".trash-{os.path.basename(os.path.normpath(path))}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    _fsync(parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _publish(tmp: str, final: str) -> None:
@@ -198,21 +252,46 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     outcome = None
     if world.is_main:
+        tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
         try:
             os.makedirs(output_dir, exist_ok=True)
             remove_stale(output_dir)
-            tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
             os.makedirs(tmp)
             _write_folder(tmp, model, optimizer, scheduler, trainer_state, sampler_state, rng_states)
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
-            outcome = f"{type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written folder only takes space: the older ones stay
+            outcome = _write_failure(exc, output_dir)
     # The barrier: every rank waits for rank 0's write and learns whether it worked.
     outcome = comm.broadcast_object(outcome, src=0, what=f"checkpoint-{step} written")
     if outcome is not None:
-        raise RuntimeError(f"rank 0 could not write checkpoint {final}: {outcome}")
+        raise CheckpointError(f"rank 0 could not write checkpoint {final}: {outcome}")
     return final
+
+
+# torch's zip writer reports a full disk as its own error, without the OSError's errno.
+_WRITER_FAILURES = ("unexpected pos", "file write failed", "No space left")
+LOW_SPACE_BYTES = 16 * 1024 * 1024  # below this much free space, a failed write is taken for a full disk
+
+
+def _write_failure(exc: BaseException, output_dir: str) -> str:
+    """What to tell every rank about a failed write: a full disk in plain words, anything else as it came."""
+    chain, seen = [], exc
+    while seen is not None:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    if not full and any(marker in str(e) for e in chain for marker in _WRITER_FAILURES):
+        try:
+            full = shutil.disk_usage(output_dir).free < LOW_SPACE_BYTES
+        except OSError:
+            pass
+    if full:
+        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full. The older "
+                "checkpoints were kept and nothing half-written was left behind. Free some space, lower "
+                "save_total_limit, or point output_dir at a larger disk")
+    return f"{type(exc).__name__}: {exc}"
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -232,17 +311,58 @@ def _load_tensors(path: str, device: torch.device | str) -> Any:
     return torch.load(path, map_location=device, weights_only=True)
 
 
+def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False) -> None:
+    """Raise CheckpointError naming every missing, truncated or corrupt file of checkpoint `path` (and the
+    optimizer or scheduler file, when they are to be loaded and were never saved)."""
+    if checkpoint_step(path) is None:
+        raise FileNotFoundError(f"{path} is not a finished checkpoint folder ({PREFIX}-<step> holding "
+                                f"{MARKER_FILE}); resume from another one")
+    wrong = problems(path)
+    for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
+        if wanted and not os.path.isfile(os.path.join(path, name)) and f"{name} is missing" not in wrong:
+            wrong.append(f"{name} is missing (this checkpoint was saved without it)")
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: " + "; ".join(wrong)
+                              + ". Resume from another checkpoint (resume_from_checkpoint=true takes the newest "
+                              "whole one)")
+
+
+def read_trainer_state(path: str) -> dict:
+    """The trainer_state.json of checkpoint `path`, or a CheckpointError that names the file."""
+    return _read_json(os.path.join(path, TRAINER_STATE_FILE))
+
+
+def _read_json(file: str) -> Any:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} cannot be read: {exc}") from exc
+
+
+def _load_into(target: Any, file: str, device: torch.device | str) -> None:
+    try:
+        state = _load_tensors(file, device)
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickler says, name the file first
+        raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from exc
+    try:
+        target.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{file} does not fit this {type(target).__name__}: {exc}. Resume with the "
+                              "optimizer and scheduler the checkpoint was written with") from exc
+
+
 def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                     world: DistEnv | None = None) -> LoadedCheckpoint:
     """Load what `save_checkpoint` wrote into model, optimizer and scheduler (each optional) on this rank.
 
-    The RNG state is returned, not applied: restore it with `set_rng_state` right before training goes on.
+    The folder is checked against its completion marker first: a missing, truncated or corrupt file raises
+    CheckpointError naming it, before anything is loaded. The RNG state is returned, not applied: restore it
+    with `set_rng_state` right before training goes on.
     """
+    check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None)
     step = checkpoint_step(path)
-    if step is None:
-        raise FileNotFoundError(f"{path} is not a finished checkpoint folder ({PREFIX}-<step> with "
-                                f"{TRAINER_STATE_FILE})")
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0
     if model is not None:
@@ -254,20 +374,23 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
                              f"{found}. Resume with the model the checkpoint was written for, or point "
                              "resume_from_checkpoint at a checkpoint of this model") from exc
     if optimizer is not None:
-        optimizer.load_state_dict(_load_tensors(os.path.join(path, OPTIMIZER_FILE), device))
+        _load_into(optimizer, os.path.join(path, OPTIMIZER_FILE), device)
     if scheduler is not None:
-        scheduler.load_state_dict(_load_tensors(os.path.join(path, SCHEDULER_FILE), "cpu"))
-    with open(os.path.join(path, TRAINER_STATE_FILE), encoding="utf-8") as f:
-        trainer_state = json.load(f)
-    sampler_state = None
-    if os.path.isfile(os.path.join(path, SAMPLER_FILE)):
-        with open(os.path.join(path, SAMPLER_FILE), encoding="utf-8") as f:
-            sampler_state = json.load(f)
+        _load_into(scheduler, os.path.join(path, SCHEDULER_FILE), "cpu")
+    trainer_state = read_trainer_state(path)
+    sampler_file = os.path.join(path, SAMPLER_FILE)
+    sampler_state = _read_json(sampler_file) if os.path.isfile(sampler_file) else None
     rng_file = os.path.join(path, RNG_FILE.format(rank=rank))
-    rng = _load_tensors(rng_file, "cpu") if os.path.isfile(rng_file) else None
+    rng = None
+    if os.path.isfile(rng_file):
+        try:
+            rng = _load_tensors(rng_file, "cpu")
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{rng_file} cannot be read: {type(exc).__name__}: {exc}") from exc
     saved_world = len([n for n in os.listdir(path) if re.match(r"^rng_state_\d+\.pth$", n)])
     return LoadedCheckpoint(path, step, trainer_state, sampler_state, rng, saved_world)
 
 
-__all__ = ["LoadedCheckpoint", "find_latest_checkpoint", "list_checkpoints", "load_checkpoint", "rng_state",
-           "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]
+__all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "find_latest_checkpoint",
+           "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_trainer_state", "remove_stale",
+           "rng_state", "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]

@@ -19,6 +19,8 @@ import datetime
 import os
 import re
 import socket
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -26,7 +28,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import install_worker_excepthook
+from .errors import ERROR_FILE_VAR, install_worker_excepthook, message_record, write_error_file
+from .orphan import watch_parent
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
@@ -52,6 +55,7 @@ class LaunchInfo:
     launcher: str = "none"  # torchrun, slurm, mpi, or none
     agent_store: bool = False  # torchrun's agent owns MASTER_PORT: connect through env://, never bind it
     restart: int = 0  # how often torchelastic restarted the workers (TORCHELASTIC_RESTART_COUNT)
+    elastic: bool = False  # started by torchelastic's agent (ddpkit launch, torchrun): the parent is the launcher
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -138,6 +142,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             launcher="torchrun",
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             restart=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+            elastic=bool(env.get("TORCHELASTIC_RUN_ID")),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
@@ -177,6 +182,27 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             stacklevel=3,
         )
     return LaunchInfo()
+
+
+def is_main_process(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is global rank 0 of the job its launcher describes (True without a launcher);
+    readable before any process group exists, e.g. to print an error once instead of once per rank."""
+    try:
+        return read_launch_env(environ).rank == 0
+    except LaunchError:
+        return True  # an environment that does not parse: better every rank says it than none
+
+
+def report_startup_error(text: str) -> None:
+    """Show, once for the whole job, an error that stops every rank before any process group exists (a bad
+    command-line flag): under ddpkit launch or torchrun rank 0 records it as the job's root cause, which the
+    launcher's summary prints; without a launcher rank 0 prints it. Other ranks stay silent."""
+    if not is_main_process():
+        return
+    path = os.environ.get(ERROR_FILE_VAR)
+    if path and write_error_file(path, message_record(text)):
+        return
+    print(text, file=sys.stderr, flush=True)
 
 
 def available_backends() -> list[str]:
@@ -276,6 +302,8 @@ def init_process_group(
     """
     install_worker_excepthook()  # under a launcher, an uncaught exception becomes the job's root cause
     info = read_launch_env(environ)
+    if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
+        watch_parent()  # a worker must not outlive a launcher killed with SIGKILL
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if dist.is_initialized():

@@ -41,6 +41,12 @@ def error_record(exc_type: type[BaseException], exc: BaseException, tb: Tracebac
     }
 
 
+def message_record(text: str) -> dict:
+    """The error file's content for an error that is a message, not an exception (shown as it is)."""
+    return {"message": {"message": text.strip().splitlines()[0] if text.strip() else text,
+                        "extraInfo": {"py_callstack": text.rstrip(), "timestamp": str(int(time.time()))}}}
+
+
 def write_error_file(path: str, record: dict) -> bool:
     """Write `record` to `path` unless a record is already there; True when written.
 

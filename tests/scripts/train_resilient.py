@@ -20,6 +20,7 @@ resumed_at is the global step the first optimizer step of this process started f
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 
@@ -27,7 +28,10 @@ def die_with_parent() -> None:
     """Test hygiene: if the launcher is SIGKILLed, take this worker down too (Linux only).
 
     Called before the slow imports below, so that no worker outlives a killed launcher while importing torch.
+    KEEP_ORPHANS=1 leaves it out, for the test of ddpkit's own watch (which must not lean on this one).
     """
+    if os.environ.get("KEEP_ORPHANS") == "1":
+        return
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

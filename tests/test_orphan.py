@@ -1,0 +1,120 @@
+"""Workers stop when their launcher dies: kill -9 of `ddpkit launch`, done from outside."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from ddpkit.checkpoint import list_checkpoints, load_checkpoint
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
+FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
+                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
+                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
+    env.update(extra)
+    return env
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> float:
+    began = time.monotonic()
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() - began < deadline_s, f"workers {[p for p in pids if _alive(p)]} outlived it"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def test_workers_stop_with_a_checkpoint_when_the_launcher_is_killed(tmp_path):
+    out = tmp_path / "run"
+    # KEEP_ORPHANS=1: the script's own test hygiene (PR_SET_PDEATHSIG) is off, so only ddpkit can stop them.
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--log-dir",
+                                 str(tmp_path / "logs"), SCRIPT, "--output_dir", str(out), "--max_steps", "400",
+                                 "--sleep_per_step", "0.2"],
+                                env=_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("LOGGED step" in line for line in lines):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        took = _wait_gone(workers, deadline_s=20)
+        print(f"workers stopped {took:.1f} s after the launcher's SIGKILL")
+    finally:
+        for pid in [launcher.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("rank*.log")))
+    assert "the launcher" in logs and "is gone" in logs, logs
+    found = list_checkpoints(str(out))
+    assert len(found) == 1, (found, logs)  # the Trainer's agreed stop: one checkpoint, whole
+    state = load_checkpoint(found[0]).trainer_state
+    assert 0 < state["global_step"] < 400 and state["should_stop"] is True
+
+
+WATCHED = textwrap.dedent("""
+    import signal, sys, time
+    from ddpkit.orphan import watch_parent
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that ignores the stop: the grace period ends it
+    watch_parent(grace_s=1.0, poll_s=0.1)
+    print("watching", flush=True)
+    time.sleep(60)
+    sys.exit(7)
+""")
+
+
+def test_a_worker_that_ignores_the_stop_is_ended_after_the_grace_period(tmp_path):
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    pidfile = tmp_path / "pid"
+    # An intermediate shell is the watched process's parent; killing it orphans the watched one.
+    parent = subprocess.Popen(["/bin/sh", "-c", f'"{sys.executable}" "{script}" & echo $! > "{pidfile}"; wait'],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout.readline().strip() == "watching"
+        child = int(pidfile.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(5)
+        took = _wait_gone([child], deadline_s=15)
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        parent.wait()
+    said = parent.stderr.read()  # the orphan inherited the pipe: its last words are here
+    assert "is gone: stopping this worker" in said and "did not stop within 1 s" in said, said
+    assert took >= 0.8, f"ended {took:.2f} s after its parent: before the grace period was over"
