@@ -318,3 +318,41 @@ def main_process_first(world: DistEnv, local: bool = False) -> Iterator[None]:
     finally:
         if first:
             barrier(world)
+
+
+# -- agreements: what the ranks decide together ---------------------------------------------------------------------
+# Named for what they decide, so that code above the communication layer (the Trainer) states the agreement and
+# never builds a tensor or calls a collective itself. Each is one collective on `comm`'s group, so every rank must
+# call it at the same point. Numbers travel as float64: counts are exact up to 2**53.
+
+def sum_over_ranks(comm: Comm, values: torch.Tensor | Sequence[float], what: str,
+                   device: torch.device | None = None) -> list[float]:
+    """The element-wise sum over the ranks of `values` (a tensor, left untouched, or numbers), as floats.
+
+    device: where the numbers are summed (NCCL needs a CUDA tensor); a tensor's own device by default.
+    """
+    if isinstance(values, torch.Tensor):
+        total = values.detach().to(torch.float64).reshape(-1).clone()
+    else:
+        total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    comm.all_reduce(total, what=what)
+    return total.tolist()
+
+
+def max_over_ranks(comm: Comm, value: float, what: str, device: torch.device | None = None) -> float:
+    """The largest `value` any rank holds."""
+    box = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    comm.all_reduce(box, what=what, op=dist.ReduceOp.MAX)
+    return box.item()
+
+
+def decided_by_main(comm: Comm, value: Any, what: str) -> Any:
+    """Rank 0's `value` on every rank: for decisions only rank 0 can take (what its file system holds), which
+    every rank must take alike. Other ranks' `value` is ignored (pass None)."""
+    return comm.broadcast_object(value, src=0, what=what)
+
+
+def gather_objects(comm: Comm, obj: Any, what: str) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank."""
+    return comm.all_gather_object(obj, what=what)
+

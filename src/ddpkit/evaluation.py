@@ -1,0 +1,77 @@
+"""Evaluation over the ranks: every sample exactly once, the loss summed over the ranks, and the predictions for
+compute_metrics gathered back into dataset order.
+
+    indices = shard(len(dataset), world.rank, world.world_size)
+    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, inputs, items)
+    metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import model_io
+from .comm import Comm, gather_objects, sum_over_ranks
+from .state import EvalPrediction
+
+
+def shard(n: int, rank: int, world_size: int) -> list[int]:
+    """Rank r's samples: r, r+N, r+2N, ...; no padding, so no sample is counted twice."""
+    return list(range(rank, n, world_size))
+
+
+@dataclasses.dataclass
+class Part:
+    """One rank's share of an evaluation."""
+
+    loss_sum: float = 0.0  # the batches' mean losses times their items, in float64 as the sums over ranks are
+    items: float = 0.0
+    predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    labels: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+
+def accumulate(batches: Iterable, forward: Callable[[Any], tuple[torch.Tensor, Any, Any, int]],
+               want_predictions: bool) -> Part:
+    """Run `forward` on every batch; sum the losses weighted by items, keep logits and labels if wanted."""
+    part = Part()
+    for batch in batches:
+        loss, outputs, inputs, items = forward(batch)
+        part.loss_sum += loss.double().item() * items
+        part.items += items
+        if want_predictions:
+            part.predictions.append(model_io.logits_of(outputs).float().cpu().numpy())
+            labels = model_io.labels_of(inputs)
+            if labels is not None:
+                part.labels.append(labels.cpu().numpy())
+    return part
+
+
+def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
+               compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
+               device: torch.device) -> dict[str, float]:
+    """{prefix}_loss over every rank's samples, and compute_metrics' results on them all (prefixed)."""
+    loss_sum, items = sum_over_ranks(comm, [part.loss_sum, part.items], f"{prefix} loss", device)
+    metrics = {f"{prefix}_loss": loss_sum / max(items, 1.0)}
+    if compute_metrics is not None:
+        found = compute_metrics(gather_predictions(comm, part, indices))
+        metrics.update({f"{prefix}_{k}": float(v) for k, v in found.items()})
+    return metrics
+
+
+def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
+    """Every rank's predictions (and labels), in dataset order, on every rank."""
+    local = (indices, np.concatenate(part.predictions) if part.predictions else None,
+             np.concatenate(part.labels) if part.labels else None)
+    shards = gather_objects(comm, local, "evaluation predictions")
+    order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
+    preds = np.concatenate([s[1] for s in shards if s[1] is not None])[order]
+    label_ids = np.concatenate([s[2] for s in shards if s[2] is not None])[order] if part.labels else None
+    return EvalPrediction(preds, label_ids)
+
+
+__all__ = ["Part", "accumulate", "gather_predictions", "over_ranks", "shard"]

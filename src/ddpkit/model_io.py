@@ -1,0 +1,82 @@
+"""What the Trainer needs to know of a model's batches and outputs, whatever their shape.
+
+A batch is a mapping of keyword arguments (the Transformers convention), a list or tuple of positional ones, or
+one tensor. An output is a loss tensor, a mapping with "loss" (and "logits"), a tuple (loss, logits, ...), or an
+object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+IGNORE_INDEX = -100  # the label value torch's cross_entropy and Transformers models skip
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (list, tuple)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def loss_of(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        loss = outputs
+    elif isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    elif isinstance(outputs, (list, tuple)):
+        loss = outputs[0] if outputs else None
+    else:
+        loss = getattr(outputs, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("the model returned no scalar loss: return a loss tensor, a dict with 'loss' or an object "
+                         "with .loss (give it the labels), or override Trainer.compute_loss")
+    return loss.reshape(())
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, Mapping):
+        return outputs["logits"]
+    if isinstance(outputs, (list, tuple)):
+        return outputs[1]
+    logits = getattr(outputs, "logits", None)
+    if logits is None:
+        raise ValueError("compute_metrics needs logits: return them as 'logits' (dict or attribute) or second")
+    return logits
+
+
+def labels_of(inputs: Any) -> torch.Tensor | None:
+    """The batch's "labels" tensor, if it is a mapping that has one."""
+    labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+    return labels if isinstance(labels, torch.Tensor) else None
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in the batch: the first dimension of its first tensor that has one."""
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            return leaf.shape[0]
+    return 1
+
+
+def count_items(batch: Any) -> int:
+    """How many items a batch's mean loss averages: labels other than -100, or else samples."""
+    labels = labels_of(batch)
+    if labels is not None:
+        return int((labels != IGNORE_INDEX).sum())
+    return batch_len(batch)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+__all__ = ["IGNORE_INDEX", "batch_len", "call_model", "count_items", "labels_of", "logits_of", "loss_of",
+           "to_device"]

@@ -1,0 +1,89 @@
+"""The step plan of a training run: how many optimizer steps, how many epochs, and the intervals between logs,
+evaluations and saves, from plain numbers.
+
+    plan = plan_steps(batches_per_epoch=40, world_size=2, per_device_train_batch_size=8,
+                      gradient_accumulation_steps=2, max_steps=-1, num_train_epochs=3,
+                      logging_steps=10, eval_steps=0.1, save_steps=500)
+    plan.max_steps    # 60: 20 steps an epoch, 3 epochs
+
+batches_per_epoch is the most micro-batches any rank holds in one epoch (the caller agrees on it over the ranks):
+every rank takes as many optimizer steps as the fullest one, a rank short of data filling in with zero-weight
+batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+
+class SavedPlan(NamedTuple):
+    """What a checkpoint's trainer_state.json says about the run it was written by."""
+
+    global_step: int
+    epoch: float
+    max_steps: int
+    world_size: int
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SavedPlan:
+        """From trainer_state.json's fields (absent ones take TrainerState's defaults)."""
+        return cls(state.get("global_step", 0), state.get("epoch", 0.0), state.get("max_steps", 0),
+                   state.get("world_size", 1))
+
+
+class StepPlan(NamedTuple):
+    max_steps: int
+    num_train_epochs: int  # epochs started, the last one maybe in part
+    logging_steps: int
+    eval_steps: int
+    save_steps: int
+    train_batch_size: int  # global samples per optimizer step
+
+
+def interval(value: float, total_steps: int) -> int:
+    """An interval in optimizer steps: a value below 1 is that fraction of total_steps (at least 1 step)."""
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
+
+
+def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, world_size: int,
+                resumed: SavedPlan | None = None) -> int:
+    """max_steps when it is set (> 0), else the steps num_train_epochs take, given the run resumed from."""
+    if max_steps > 0:
+        return max_steps
+    if resumed is not None and resumed.max_steps and resumed.world_size == world_size:
+        return resumed.max_steps  # the same plan, so the resumed run is the uninterrupted one
+    if resumed is not None:
+        # Another world size: a step covers another number of samples, so the steps left are re-planned from
+        # the epochs left (the learning-rate schedule is stretched or shrunk to the new total).
+        left = max(0.0, num_train_epochs - resumed.epoch)
+        return resumed.global_step + math.ceil(left * steps_per_epoch)
+    return math.ceil(num_train_epochs * steps_per_epoch)
+
+
+def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batch_size: int,
+               gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float, logging_steps: float,
+               eval_steps: float, save_steps: float, resumed: SavedPlan | None = None) -> StepPlan:
+    """The plan of a run (see the module's docstring); resumed: the plan of the checkpoint it resumes from."""
+    # An epoch's last window may hold fewer than gradient_accumulation_steps micro-batches: it is a step too.
+    steps_per_epoch = math.ceil(batches_per_epoch / gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise ValueError("the training data gives no batch on any rank")
+    steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed)
+    return StepPlan(max_steps=steps, num_train_epochs=math.ceil(steps / steps_per_epoch),
+                    logging_steps=interval(logging_steps, steps), eval_steps=interval(eval_steps, steps),
+                    save_steps=interval(save_steps, steps),
+                    train_batch_size=per_device_train_batch_size * world_size * gradient_accumulation_steps)
+
+
+def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None) -> StepPlan:
+    """plan_steps with the numbers of a TrainingArguments (or anything with those attributes)."""
+    return plan_steps(batches_per_epoch=batches_per_epoch, world_size=world_size,
+                      per_device_train_batch_size=args.per_device_train_batch_size,
+                      gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
+                      num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
+                      eval_steps=args.eval_steps, save_steps=args.save_steps, resumed=resumed)
+
+
+__all__ = ["SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps", "total_steps"]

@@ -1,0 +1,66 @@
+"""The records of a run: its progress (trainer_state.json), what train() returns, what compute_metrics gets."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class EvalPrediction(NamedTuple):
+    """What compute_metrics receives: every evaluation sample once, in dataset order."""
+
+    predictions: np.ndarray
+    label_ids: np.ndarray | None
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Progress of a run, saved as trainer_state.json (the Transformers field names)."""
+
+    global_step: int = 0  # optimizer steps taken
+    epoch: float = 0.0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int = 0  # global samples per optimizer step
+    world_size: int = 1
+    log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    total_flos: float = 0.0
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    should_stop: bool = False  # the ranks agreed to stop early (SIGTERM)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainerState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def last_logged(self, key: str) -> float:
+        """The newest logged value of `key`, or NaN when none is logged yet."""
+        for entry in reversed(self.log_history):
+            if key in entry:
+                return entry[key]
+        return float("nan")
+
+    def logged_at(self, key: str, step: int) -> bool:
+        """Whether `key` was logged at `step`."""
+        return any(key in e and e.get("step") == step for e in self.log_history)
+
+
+__all__ = ["EvalPrediction", "TrainOutput", "TrainerState"]

@@ -1,0 +1,104 @@
+"""The step plan: plain numbers in, plain numbers out, no processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddpkit.args import TrainingArguments
+from ddpkit.plan import SavedPlan, StepPlan, interval, plan_for, plan_steps, total_steps
+
+BASE = dict(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=-1,
+            num_train_epochs=3, logging_steps=10, eval_steps=0.1, save_steps=500)
+
+
+def test_epochs_make_the_plan_when_max_steps_is_unset():
+    # 41 batches on the fullest rank, 2 per step: 20 full windows and a short one, so 21 steps an epoch.
+    plan = plan_steps(batches_per_epoch=41, **BASE)
+    assert plan == StepPlan(max_steps=63, num_train_epochs=3, logging_steps=10, eval_steps=7, save_steps=500,
+                            train_batch_size=8 * 2 * 2)
+
+
+def test_max_steps_wins_over_epochs_and_counts_started_epochs():
+    plan = plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 45})
+    assert plan.max_steps == 45
+    assert plan.num_train_epochs == 3  # 20 steps an epoch: the third one is started, not finished
+    assert plan.eval_steps == 5  # a tenth of 45 steps, rounded up
+
+
+def test_fractional_epochs_round_the_steps_up():
+    plan = plan_steps(batches_per_epoch=10, **{**BASE, "num_train_epochs": 1.25, "gradient_accumulation_steps": 1})
+    assert plan.max_steps == 13 and plan.num_train_epochs == 2  # ceil(12.5)
+
+
+def test_a_resumed_run_keeps_its_plan_on_the_same_world_size():
+    saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2)
+    # The data changed size since (41 batches): the saved plan still holds, so the run ends where it would have.
+    assert plan_steps(batches_per_epoch=41, **BASE, resumed=saved).max_steps == 60
+
+
+def test_a_resumed_run_on_another_world_size_replans_the_epochs_left():
+    # Saved by 2 ranks 1.5 epochs in; now 1 rank holds twice the batches: 40 steps an epoch, 1.5 epochs left.
+    saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2)
+    plan = plan_steps(batches_per_epoch=80, **{**BASE, "world_size": 1}, resumed=saved)
+    assert plan.max_steps == 30 + 60
+    assert plan.train_batch_size == 8 * 1 * 2
+    # Past the epochs asked for (epochs were lowered since): nothing is left to do.
+    late = SavedPlan(global_step=70, epoch=3.5, max_steps=70, world_size=4)
+    assert plan_steps(batches_per_epoch=80, **{**BASE, "world_size": 1}, resumed=late).max_steps == 70
+    # A state without a plan (written before max_steps was saved) is re-planned too.
+    unplanned = SavedPlan(global_step=30, epoch=1.5, max_steps=0, world_size=2)
+    assert plan_steps(batches_per_epoch=40, **BASE, resumed=unplanned).max_steps == 30 + 30
+
+
+def test_max_steps_wins_over_a_resumed_plan():
+    saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2)
+    assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 100}, resumed=saved).max_steps == 100
+
+
+def test_no_batch_on_any_rank_is_an_error():
+    with pytest.raises(ValueError, match="no batch on any rank"):
+        plan_steps(batches_per_epoch=0, **BASE)
+
+
+def test_saved_plan_reads_trainer_state_with_its_defaults():
+    assert SavedPlan.from_state({"global_step": 4, "epoch": 0.5, "max_steps": 9, "world_size": 2,
+                                 "log_history": []}) == SavedPlan(4, 0.5, 9, 2)
+    assert SavedPlan.from_state({"global_step": 4}) == SavedPlan(4, 0.0, 0, 1)
+
+
+def test_plan_for_reads_the_training_arguments(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                             num_train_epochs=2, logging_steps=0.25, eval_steps=7, save_steps=0.5)
+    plan = plan_for(args, batches_per_epoch=31, world_size=2)
+    # ceil(31 / 3) = 11 steps an epoch, 22 in all; a quarter is 5.5 -> 6, a half 11.
+    assert plan == StepPlan(max_steps=22, num_train_epochs=2, logging_steps=6, eval_steps=7, save_steps=11,
+                            train_batch_size=4 * 2 * 3)
+
+
+@given(value=st.one_of(st.floats(min_value=1e-6, max_value=0.999), st.integers(min_value=1, max_value=10**6)),
+       total=st.integers(min_value=1, max_value=10**6))
+def test_interval_is_the_arguments_interval_and_stays_within_the_run(value, total):
+    steps = interval(value, total)
+    assert steps >= 1 and isinstance(steps, int)
+    if value < 1:
+        assert steps <= total and steps >= value * total  # a fraction of the run, rounded up
+    else:
+        assert steps == value
+    args = TrainingArguments(output_dir="unused-plan-test", logging_steps=value)
+    assert args.interval("logging_steps", total) == steps
+
+
+@given(batches=st.integers(min_value=1, max_value=10**5), accumulation=st.integers(min_value=1, max_value=64),
+       epochs=st.floats(min_value=0.01, max_value=50), world=st.integers(min_value=1, max_value=64))
+def test_the_planned_epochs_cover_the_planned_steps(batches, accumulation, epochs, world):
+    steps_per_epoch = math.ceil(batches / accumulation)
+    steps = total_steps(steps_per_epoch, max_steps=-1, num_train_epochs=epochs, world_size=world)
+    plan = plan_steps(batches_per_epoch=batches, world_size=world, per_device_train_batch_size=1,
+                      gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=epochs,
+                      logging_steps=1, eval_steps=1, save_steps=1)
+    assert plan.max_steps == steps >= epochs * steps_per_epoch
+    assert (plan.num_train_epochs - 1) * steps_per_epoch < plan.max_steps <= plan.num_train_epochs * steps_per_epoch
