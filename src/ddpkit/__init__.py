@@ -7,7 +7,7 @@
 
 from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
-from .monitor import PeerFailedError, StallError
+from .errors import PeerFailedError, StallError
 from .sampler import DistributedSampler
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint

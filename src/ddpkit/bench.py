@@ -46,6 +46,7 @@ from .comm import barrier
 from .ddp import DistributedDataParallel
 from .comm import Comm
 from .env import destroy_process_group, free_port, init_process_group
+from .monitor import attach_stall_monitor
 
 VARIANTS = ("ddpkit", "torch", "bare")
 RATIOS = (("ddpkit", "torch"), ("ddpkit", "bare"))
@@ -235,9 +236,9 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     comm = Comm.for_group()
     # The inspector's thread runs all along (about one store write a second); what differs between "ddpkit" and
     # "inspected" is whether its collectives are reported to it, which is the cost on the step's path.
-    monitor = comm.start_monitor(cfg.timeout_s / 5) if cfg.inspector else None
+    monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None
     for variant in variants:
-        comm.monitor = monitor if variant == "inspected" else None
+        comm.observers = [monitor] if variant == "inspected" else []
         for _ in range(cfg.warmup):
             _step(*runs[variant], workload, batch)
     wall: dict[str, list[list[float]]] = {v: [] for v in variants}
@@ -245,12 +246,12 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     for r in range(cfg.repeats):
         for variant in round_order(r, variants):
             barrier(world)
-            comm.monitor = monitor if variant == "inspected" else None
+            comm.observers = [monitor] if variant == "inspected" else []
             block = [_step(*runs[variant], workload, batch) for _ in range(cfg.steps)]
             wall[variant].append([w for w, _ in block])
             cpu[variant].append([c for _, c in block])
-    comm.monitor = monitor
-    comm.stop_monitor()
+    comm.observers = [monitor] if monitor is not None else []
+    comm.close_observers()
     params = list(runs["bare"][0].parameters())
     with torch.no_grad():
         losses = {v: workload.loss(runs[v][0], batch).item() for v in variants}

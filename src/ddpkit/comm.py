@@ -4,6 +4,10 @@ Every collective goes through a `Comm`, which numbers it and remembers what it w
 bytes), so that a stall or an order mismatch can be explained by naming the collective, not just timed out.
 Collectives on one process group form one sequence on every rank, so there is one `Comm` per group
 (`Comm.for_group`): a single counter is what makes sequence numbers comparable across ranks.
+
+A Comm knows only a list of observers (`CommObserver`: the stall inspector is one, a timeline another) and tells
+each of them every event of every collective: issued, the main thread's wait begins and ends, finished. It
+imports none of them; with no observer attached an event costs one test of an empty list.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch.distributed as dist
 
 from . import env
 from .env import DistEnv
-from .monitor import PeerFailedError, StallError, StallMonitor
 
 # Tensors are broadcast in flat chunks of at most this size; torch uses the same 250 MiB for its init broadcast.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -29,11 +32,41 @@ BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 @dataclasses.dataclass
 class CollectiveRecord:
-    seq: int
-    op: str
-    what: str
-    nbytes: int
-    started: float
+    seq: int  # position in this group's sequence, the same collective on every rank (1, 2, ...)
+    op: str  # all_reduce, broadcast, barrier, ..., comm_hook (a hook's, from `note`), future (unknown)
+    what: str  # what it is for: "bucket 3, backward 7", "logged loss"
+    nbytes: int  # bytes this rank contributes (all_gather: what it receives)
+    started: float  # time.monotonic() when it was issued
+
+
+class CommObserver:
+    """What a `Comm` tells its observers; subclass and override any of these (each default does nothing).
+
+    Calls come in this order for one collective: `issued`, then for each wait on it `wait_began` and
+    `wait_ended` (none for an asynchronous one nobody waits for), and `finished` once, possibly before the wait
+    ends and from another thread. Observers must be quick: they run on the training step's path.
+    """
+
+    def issued(self, record: CollectiveRecord) -> None:
+        """`record` was numbered and is about to be launched (main thread)."""
+
+    def wait_began(self, record: CollectiveRecord) -> None:
+        """The main thread starts blocking on `record`."""
+
+    def wait_ended(self, record: CollectiveRecord, error: BaseException | None) -> BaseException | None:
+        """The main thread stopped blocking on `record`; `error` is what the wait raised (None: it succeeded).
+
+        Return an exception to raise instead of `error` (an explanation of it), or None to leave it as it is.
+        """
+        return None
+
+    def finished(self, record: CollectiveRecord, error: BaseException | None) -> None:
+        """`record` completed (`error` None) or failed. For an asynchronous collective this comes from the
+        backend's thread as soon as it completes (a callback on its Work's future), waited for or not; for a
+        blocking one, and a comm hook's future, when the wait returns."""
+
+    def close(self) -> None:
+        """The group is about to be destroyed (`destroy_process_group`): stop threads, flush files."""
 
 
 class Comm:
@@ -52,9 +85,12 @@ class Comm:
         self.backend = dist.get_backend(group) if self.active else "none"
         self.seq = 0
         self.log: collections.deque[CollectiveRecord] = collections.deque(maxlen=log_size)
-        self.monitor: StallMonitor | None = None
+        # Told of every collective, in this order; a plain list so that a caller may also assign one.
+        self.observers: list[CommObserver] = []
         self.open_sync_windows = 0  # reducers on this group inside a synchronised backward (see Reducer)
 
+    # One Comm per process group, found from the group: torch's DDP constructor (which ours mirrors) receives
+    # only a ProcessGroup, and ProcessGroup objects take no attributes, so the Comm cannot travel with it.
     _shared: dict[int, Comm] = {}
 
     @classmethod
@@ -72,57 +108,73 @@ class Comm:
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
 
-    def start_monitor(self, threshold_s: float, restart: int = 0) -> StallMonitor | None:
-        """Explain collectives that wait longer than `threshold_s` (see ddpkit.monitor).
+    # -- observers ----------------------------------------------------------------------------------------------
+    def add_observer(self, observer: CommObserver) -> None:
+        if observer not in self.observers:
+            self.observers.append(observer)
 
-        restart: the elastic restart count; a restarted job must not read what the failed attempt posted.
-        """
-        if self.monitor is None and self.distributed:
-            store = dist.distributed_c10d._get_default_store()
-            group = f"{dist.get_process_group_ranks(self.pg)[0]}-{self.world_size}"
-            self.monitor = StallMonitor(store, self.rank, self.world_size, threshold_s,
-                                        prefix=f"attempt_{restart}/{group}/")
-        return self.monitor
+    def remove_observer(self, observer: CommObserver) -> None:
+        if observer in self.observers:
+            self.observers.remove(observer)
 
-    def stop_monitor(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
+    def close_observers(self) -> None:
+        """Close and remove every observer (before the group goes away)."""
+        observers, self.observers = self.observers, []
+        for observer in observers:
+            observer.close()
 
     def _record(self, op: str, what: str, nbytes: int) -> CollectiveRecord:
         self.seq += 1
         record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic())
         self.log.append(record)
+        for observer in self.observers:
+            observer.issued(record)
         return record
 
+    def _watch(self, work: Any, record: CollectiveRecord) -> None:
+        """Tell the observers when an asynchronous collective completes (only called when there are some)."""
+        observers = tuple(self.observers)
+
+        def done(fut: torch.futures.Future) -> None:
+            error = None
+            try:
+                fut.value()
+            except Exception as exc:  # noqa: BLE001 - reported, and raised again by whoever waits
+                error = exc
+            for observer in observers:
+                observer.finished(record, error)
+
+        work.get_future().add_done_callback(done)
+
     @contextlib.contextmanager
-    def _blocking(self, record: CollectiveRecord) -> Iterator[None]:
-        """Around every wait: tell the monitor, and turn a timeout into an explanation of the stall."""
-        monitor = self.monitor
-        if monitor is not None:
-            monitor.enter(record.seq, record.op, record.what)
-        began = time.monotonic()
+    def _blocking(self, record: CollectiveRecord, finishes: bool = True) -> Iterator[None]:
+        """Around every wait: tell the observers, and let them replace a failure by its explanation.
+
+        finishes: the end of this wait is when the collective finished (not told already by `_watch`)."""
+        observers = tuple(self.observers) if self.observers else ()
+        for observer in observers:
+            observer.wait_began(record)
         try:
             yield
-        except (RuntimeError, dist.DistError) as exc:
-            waited = time.monotonic() - began
-            if monitor is None or isinstance(exc, (StallError, PeerFailedError)) or (
-                    waited < monitor.threshold_s and "timed out" not in str(exc).lower()):
-                raise  # not a stall: a bad argument, or a peer that failed fast
-            try:
-                explanation = monitor.diagnosis_of(record.seq) or monitor.explain()
-            except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
-                explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
-            raise StallError(f"{explanation}\n(the collective failed with: {exc})") from exc
-        finally:
-            if monitor is not None:
-                monitor.leave(record.seq, record.op, record.what)
+        except BaseException as exc:
+            replacement = None
+            for observer in observers:
+                replacement = observer.wait_ended(record, exc) or replacement
+                if finishes:
+                    observer.finished(record, exc)
+            if replacement is not None and replacement is not exc:
+                raise replacement from exc
+            raise
+        for observer in observers:
+            observer.wait_ended(record, None)
+            if finishes:
+                observer.finished(record, None)
 
     def wait(self, pending: Any, record: CollectiveRecord | None = None) -> Any:
         """Wait for an asynchronous collective: a `Pending` from `all_reduce(async_op=True)`, or a Future with
         the `record` of what it is (from `note`)."""
         if isinstance(pending, Pending):
-            with self._blocking(pending.record):
+            with self._blocking(pending.record, finishes=False):
                 pending.work.wait()
             return None
         if isinstance(pending, torch._C.Future):
@@ -150,7 +202,10 @@ class Comm:
         if not self.distributed:
             return _DoneWork(tensor) if async_op else None
         if async_op:
-            return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+            if self.observers:
+                self._watch(work, record)
+            return Pending(work, record)
         with self._blocking(record):
             dist.all_reduce(tensor, op=op, group=self.group)
         return None
@@ -287,15 +342,18 @@ def init_process_group(backend: str | None = None, timeout: float | None = None,
     """
     world = env.init_process_group(backend, timeout, device_type, join_timeout=join_timeout)
     if world.world_size > 1 and stall_seconds != 0:
-        threshold = stall_seconds if stall_seconds is not None else min(world.timeout.total_seconds() / 5, 300.0)
-        Comm.for_group(None).start_monitor(threshold, world.restart)
+        # The one place that names the inspector: it composes the world (torch's Trainer imports it from here);
+        # the Comm class itself knows only observers.
+        from .monitor import attach_stall_monitor
+
+        attach_stall_monitor(Comm.for_group(None), world.timeout.total_seconds(), stall_seconds, world.restart)
     return world
 
 
 def destroy_process_group() -> None:
-    """Stop the stall inspector and leave the world; a no-op without a process group."""
+    """Close the observers (the stall inspector) and leave the world; a no-op without a process group."""
     if dist.is_available() and dist.is_initialized():
-        Comm.for_group(None).stop_monitor()
+        Comm.for_group(None).close_observers()
     env.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""A worker's uncaught exception, written where torchelastic's agent looks for it.
+"""ddpkit's own errors of a distributed job, and a worker's uncaught exception written where torchelastic's
+agent looks for it. This module imports nothing of ddpkit (nor torch), so every layer may raise these.
 
 Under `ddpkit launch` or `torchrun` every worker gets ``TORCHELASTIC_ERROR_FILE``. When the worker dies of an
 exception, the launcher reads that file and shows the traceback as the job's root cause; without it, all it
@@ -23,6 +24,14 @@ import traceback
 from types import TracebackType
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+
+
+class StallError(RuntimeError):
+    """A collective timed out; the message says which ranks did not arrive and what they were doing."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the job failed; raised in this rank's main thread."""
 
 _installed = False
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .errors import PeerFailedError, StallError
+
 # How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
 # stack capture a second cost well under 0.1% of a step.
 POLL_S = 1.0
@@ -34,16 +36,37 @@ POLL_S = 1.0
 PEER_FAILURE_GRACE_S = 5.0
 
 
-class StallError(RuntimeError):
-    """A collective timed out; the message says which ranks did not arrive and what they were doing."""
+def default_threshold(timeout_s: float) -> float:
+    """The wait after which a collective is first explained when stall_seconds is not given."""
+    return min(timeout_s / 5, 300.0)
 
 
-class PeerFailedError(RuntimeError):
-    """Another rank of the job failed; raised in this rank's main thread."""
+def attach_stall_monitor(comm: Any, timeout_s: float, stall_seconds: float | None = None,
+                         restart: int = 0) -> StallMonitor | None:
+    """Watch `comm`'s collectives (a `ddpkit.Comm`); the inspector already watching it, if any.
+
+    stall_seconds: explain a wait this long (None: `default_threshold`); restart: the elastic restart count,
+    so that a restarted job never reads what the failed attempt posted.
+    """
+    for observer in comm.observers:
+        if isinstance(observer, StallMonitor):
+            return observer
+    if not comm.distributed:
+        return None
+    threshold = default_threshold(timeout_s) if stall_seconds is None else stall_seconds
+    store = dist.distributed_c10d._get_default_store()
+    group = f"{dist.get_process_group_ranks(comm.pg)[0]}-{comm.world_size}"
+    monitor = StallMonitor(store, comm.rank, comm.world_size, threshold, prefix=f"attempt_{restart}/{group}/")
+    comm.add_observer(monitor)
+    return monitor
 
 
 class StallMonitor:
-    """Publishes this rank's collective state to the store and explains stalls; one per process group."""
+    """Publishes this rank's collective state to the store and explains stalls; one per process group.
+
+    It is an observer of a `ddpkit.Comm` (it has every method of `ddpkit.comm.CommObserver`) without importing
+    it: the Comm is below the inspector, and knows it only as one of its observers.
+    """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, threshold_s: float, prefix: str = "",
                  poll_s: float = POLL_S, exit_on_peer_failure: bool = True):
@@ -67,15 +90,40 @@ class StallMonitor:
         self._thread = threading.Thread(target=self._run, name=f"ddpkit-stall-monitor-{rank}", daemon=True)
         self._thread.start()
 
-    # -- called by Comm around every blocking wait --------------------------------------------------------------
-    def enter(self, seq: int, op: str, what: str) -> None:
-        self.waiting = (seq, op, what, time.monotonic())
+    # -- the observer: called by Comm ---------------------------------------------------------------------------
+    def issued(self, record: Any) -> None:
+        pass
 
-    def leave(self, seq: int, op: str, what: str) -> None:
-        self.waiting = None
+    def wait_began(self, record: Any) -> None:
+        self.waiting = (record.seq, record.op, record.what, time.monotonic())
+
+    def wait_ended(self, record: Any, error: BaseException | None) -> BaseException | None:
+        waiting, self.waiting = self.waiting, None
+        explanation = None
+        if error is not None and waiting is not None:
+            explanation = self._explain_failure(record, error, time.monotonic() - waiting[3])
         self.diagnosis = None
-        self.done_seq = seq
-        self.done_what = f"{op} ({what})"
+        return explanation
+
+    def finished(self, record: Any, error: BaseException | None) -> None:
+        if error is None and record.seq > self.done_seq:  # asynchronous ones may complete out of order
+            self.done_seq = record.seq
+            self.done_what = f"{record.op} ({record.what})"
+
+    def close(self) -> None:
+        self.stop()
+
+    def _explain_failure(self, record: Any, error: BaseException, waited: float) -> BaseException | None:
+        """A stall's explanation in place of the timeout it ended with; None for any other failure."""
+        if not isinstance(error, (RuntimeError, dist.DistError)) or isinstance(error, (StallError, PeerFailedError)):
+            return None
+        if waited < self.threshold_s and "timed out" not in str(error).lower():
+            return None  # not a stall: a bad argument, or a peer that failed fast
+        try:
+            explanation = self.diagnosis_of(record.seq) or self.explain()
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
+        return StallError(f"{explanation}\n(the collective failed with: {error})")
 
     def diagnosis_of(self, seq: int) -> str | None:
         """The explanation printed for collective `seq`, if its stall was explained."""
