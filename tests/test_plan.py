@@ -102,3 +102,28 @@ def test_the_planned_epochs_cover_the_planned_steps(batches, accumulation, epoch
                       logging_steps=1, eval_steps=1, save_steps=1)
     assert plan.max_steps == steps >= epochs * steps_per_epoch
     assert (plan.num_train_epochs - 1) * steps_per_epoch < plan.max_steps <= plan.num_train_epochs * steps_per_epoch
+
+
+def test_evaluation_and_saving_are_due_by_strategy_and_moment():
+    from ddpkit.plan import due
+
+    assert due("steps", "steps", "step", 10, eval_steps=5, save_steps=4) == (True, False)
+    assert due("steps", "steps", "step", 12, eval_steps=5, save_steps=4) == (False, True)
+    assert due("epoch", "epoch", "step", 10, eval_steps=5, save_steps=5) == (False, False)
+    assert due("epoch", "no", "epoch", 7, eval_steps=5, save_steps=5) == (True, False)
+    # the end of a run: evaluate unless this step already was; save unless saving is off
+    assert due("steps", "steps", "final", 7, eval_steps=5, save_steps=5) == (True, True)
+    assert due("steps", "no", "final", 7, eval_steps=5, save_steps=5, evaluated=True) == (False, False)
+    assert due("no", "epoch", "final", 7, eval_steps=5, save_steps=5) == (False, True)
+
+
+def test_train_data_must_give_every_rank_a_sample():
+    import pytest
+
+    from ddpkit.plan import check_train_data
+
+    check_train_data([1, 2], world_size=2)
+    with pytest.raises(ValueError, match="needs a train_dataset"):
+        check_train_data(None, world_size=1)
+    with pytest.raises(ValueError, match="1 sample.* 2 processes"):
+        check_train_data([1], world_size=2)

@@ -6,16 +6,23 @@ import json
 import os
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from ddpkit import integrity
 from ddpkit.args import ArgumentError
 from ddpkit.resume import choose_checkpoint, protected_checkpoints, read_trainer_state
 
 
 def _checkpoints(out, *steps):
-    """Finished checkpoint folders (trainer_state.json is what makes one finished)."""
+    """Finished checkpoint folders: weights, trainer_state.json and the completion marker written last."""
     for step in steps:
-        os.makedirs(out / f"checkpoint-{step}")
-        (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        folder = out / f"checkpoint-{step}"
+        os.makedirs(folder)
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        marker = integrity.manifest(str(folder), ["model.safetensors", "trainer_state.json"], step)
+        (folder / integrity.MARKER_FILE).write_text(json.dumps(marker))
     return [str(out / f"checkpoint-{step}") for step in steps]
 
 

@@ -222,11 +222,12 @@ class Recorder(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3):
+def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3, logging_steps=1):
     torch.manual_seed(0)
     model = Classifier().double()  # dropout on: the restored RNG must give the same masks
     args = _args(out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
-                 save_strategy="steps", save_steps=save_steps, lr_scheduler_type="cosine", warmup_steps=2)
+                 save_strategy="steps", save_steps=save_steps, lr_scheduler_type="cosine", warmup_steps=2,
+                 logging_steps=logging_steps)
     trainer = Recorder(model, args, classification_data(n))
     trainer.train(resume_from_checkpoint=resume)
     logs = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in trainer.state.log_history
@@ -239,12 +240,20 @@ def resume_same_world(world, out):
     from3 = _resumable_run(f"{out}/from3", resume=f"{out}/full/checkpoint-3")  # mid epoch 0
     from6 = _resumable_run(f"{out}/from6", resume=f"{out}/full/checkpoint-6")  # mid epoch 1
     newest = _resumable_run(f"{out}/full", resume=True, max_steps=10)  # True: the newest, checkpoint-8
-    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3"))
+    # Logs every 4 steps, checkpoints at 3 and 6: each resume starts between two logs, and its first logged loss
+    # must still cover the 4 steps the uninterrupted run's covers.
+    sparse = [_resumable_run(f"{out}/sparse", logging_steps=4)]
+    sparse += [_resumable_run(f"{out}/sparse{k}", resume=f"{out}/sparse/checkpoint-{k}", logging_steps=4)
+               for k in (3, 6)]
+    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse
 
 
 def test_resume_with_the_same_world_size_is_bitwise(tmp_path):
     results = run_world(resume_same_world, 2, args=(str(tmp_path),), deadline_s=150)
-    for full, from3, from6, newest, files in results:
+    for full, from3, from6, newest, files, sparse in results:
+        assert [entry[0] for entry in sparse[0][0]] == [4, 8]
+        for resumed in sparse[1:]:
+            assert resumed[0] == sparse[0][0], "a resumed run logged another loss than the uninterrupted one"
         logs, params, _ = full
         assert [entry[0] for entry in logs] == list(range(1, 9))
         for resumed in (from3, from6):

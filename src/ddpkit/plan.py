@@ -86,4 +86,27 @@ def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedP
                       eval_steps=args.eval_steps, save_steps=args.save_steps, resumed=resumed)
 
 
-__all__ = ["SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps", "total_steps"]
+def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_steps: int, save_steps: int,
+        evaluated: bool = False) -> tuple[bool, bool]:
+    """(evaluate, save) at `moment`: "step" (after an optimizer step), "epoch" (after an epoch) or "final" (after
+    the last step, when the run would otherwise end unevaluated or unsaved; `evaluated`: this step already was).
+    At "final" a save is due only if no checkpoint of `step` exists yet, which the caller checks on rank 0."""
+    if moment == "step":
+        return (eval_strategy == "steps" and step % eval_steps == 0,
+                save_strategy == "steps" and step % save_steps == 0)
+    if moment == "final":
+        return eval_strategy != "no" and not evaluated, save_strategy != "no"
+    return eval_strategy == "epoch", save_strategy == "epoch"
+
+
+def check_train_data(dataset: Any, world_size: int) -> None:
+    """Fail clearly when there is no training data, or less than one sample per rank."""
+    if dataset is None:
+        raise ValueError("Trainer.train needs a train_dataset")
+    if len(dataset) < world_size:
+        raise ValueError(f"the train_dataset has {len(dataset)} sample(s) but {world_size} processes train on "
+                         "it: every rank needs at least one sample of its own. Start fewer processes "
+                         "(--nproc-per-node) or use more data")
+
+
+__all__ = ["check_train_data", "due", "SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps", "total_steps"]

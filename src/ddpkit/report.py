@@ -81,39 +81,24 @@ class Reporter:
 
 
 class Progress:
-    """The running figures of one train() call: this rank's loss since the last log, the clock, the bar."""
+    """The running figures of one train() call: the clock and the bar (the loss is RunningLoss's)."""
 
-    def __init__(self, bar, global_step: int, device: torch.device):
-        self.tr_loss = torch.zeros((), dtype=torch.float64, device=device)  # summed on-device: no sync a step
-        self.logged_at = global_step
-        self.loss_sum = 0.0  # the logged global losses times their steps
+    def __init__(self, bar):
         self.clock = Clock()
         self.bar = bar
 
-    def step(self, loss_share: torch.Tensor, samples: int) -> None:
-        self.tr_loss += loss_share
+    def step(self, samples: int) -> None:
         self.clock.tick(samples)
-
-    def logged(self, total_loss: float, step: int) -> float:
-        """The mean loss since the last log, given the sum over the ranks of tr_loss; starts the next period."""
-        loss = total_loss / (step - self.logged_at)
-        self.loss_sum += loss * (step - self.logged_at)
-        self.tr_loss.zero_()
-        self.logged_at = step
-        return loss
 
     def show(self, last_loss: float) -> None:
         shown = "-" if math.isnan(last_loss) else f"{last_loss:.4f}"  # nothing logged yet
         self.bar.set_postfix_str(f"loss={shown} samples/s={self.clock.rate():.0f}", refresh=False)
         self.bar.update(1)
 
-    def mean_loss(self) -> float:
-        return self.loss_sum / max(1, self.clock.steps)
-
-    def summary(self) -> dict[str, float]:
-        """The final log entry of a run that finished (the Transformers names)."""
+    def summary(self, train_loss: float) -> dict[str, float]:
+        """The final log entry of a run (the Transformers names)."""
         return {"train_runtime": self.clock.elapsed(), "train_samples_per_second": self.clock.rate(),
-                "train_steps_per_second": self.clock.steps_rate(), "train_loss": self.mean_loss(),
+                "train_steps_per_second": self.clock.steps_rate(), "train_loss": train_loss,
                 "total_flos": 0.0}
 
 

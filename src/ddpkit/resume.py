@@ -1,5 +1,6 @@
-"""Which checkpoint a run resumes from, and which checkpoints rotation must keep for it.
+"""Which checkpoint a run resumes from, which checkpoints rotation must keep for it, and the run's claim on its folder.
 
+    lock = claim_output_dir(output_dir, comm, world.is_main)            # one run at a time; debris swept
     path = choose_checkpoint(resume, output_dir, restart=world.restart)   # None: start afresh
     keep = protected_checkpoints(args.resume_from_checkpoint)            # for save_checkpoint(keep=...)
     trainer_state, sampler_state = restore(path, model=m, optimizer=opt, scheduler=sched, world=world)
@@ -20,6 +21,25 @@ from typing import Any
 
 from . import checkpoint
 from .args import ArgumentError
+from .comm import Comm, decided_by_main
+from .lock import OutputDirLock
+
+
+def claim_output_dir(output_dir: str, comm: Comm, is_main: bool) -> OutputDirLock:
+    """Take output_dir's lock (ddpkit.lock) on rank 0 and sweep the debris of killed saves, which only the
+    lock's holder may do; every rank raises alike when another live run holds it. Release it when done."""
+    lock = OutputDirLock(output_dir)
+    problem = None
+    if is_main:
+        try:
+            lock.acquire()
+            checkpoint.remove_stale(output_dir)
+        except (OSError, RuntimeError) as exc:
+            problem = str(exc)
+    problem = decided_by_main(comm, problem, "output_dir lock")
+    if problem is not None:
+        raise RuntimeError(problem)
+    return lock
 
 
 def choose_checkpoint(resume: str | bool | None, output_dir: str, restart: int = 0) -> str | None:
@@ -54,9 +74,9 @@ def restore(path: str, *, model, optimizer, scheduler, world) -> tuple[dict[str,
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
-    """A checkpoint's trainer_state.json: its progress and plan, read before anything is loaded."""
-    with open(os.path.join(path, checkpoint.TRAINER_STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
+    """A checkpoint's trainer_state.json: its progress and plan, read before anything is loaded (a CheckpointError
+    naming the file when it cannot be read)."""
+    return checkpoint.read_trainer_state(path)
 
 
-__all__ = ["choose_checkpoint", "protected_checkpoints", "read_trainer_state", "restore"]
+__all__ = ["claim_output_dir", "choose_checkpoint", "protected_checkpoints", "read_trainer_state", "restore"]

@@ -41,7 +41,11 @@ class TrainerState:
     total_flos: float = 0.0
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
-    should_stop: bool = False  # the ranks agreed to stop early (SIGTERM)
+    should_stop: bool = False  # the ranks agreed to stop early (SIGTERM, Ctrl-C)
+    # ddpkit's: the global step losses since the last log, summed in step order, and how many (see RunningLoss),
+    # so that a resumed run logs what the uninterrupted one logs.
+    loss_since_last_log: float = 0.0
+    steps_since_last_log: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -39,11 +39,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import checkpoint, evaluation, model_io, optim, resume
 from .args import TrainingArguments
-from .comm import Comm, barrier, decided_by_main, init_process_group, max_over_ranks, sum_over_ranks
+from .comm import Comm, barrier, decided_by_main, init_process_group, max_over_ranks
 from .ddp import DistributedDataParallel
 from .env import DistEnv
-from .plan import SavedPlan, plan_for
+from .plan import SavedPlan, check_train_data, due, plan_for
 from .report import Progress, Reporter, write_loss_curve
+from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, TrainerState, TrainOutput
 from .window import StopRequest, Window, agree_on_window, take_batches
@@ -75,7 +76,9 @@ class Trainer:
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  stall_seconds=args.ddp_stall_seconds)
         self.comm = Comm.for_group()
-        self._stop = StopRequest()  # SIGTERM sets it while training; the ranks agree on it at the next window
+        # SIGTERM or the first Ctrl-C set it while training; the ranks agree on it at the next window.
+        self._stop = StopRequest(announce=self.world.is_main)
+        self._loss = RunningLoss()
         self._keep: tuple[str, ...] = ()  # checkpoints rotation must not delete (see resume.py)
         set_seed(args.seed)
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
@@ -130,7 +133,14 @@ class Trainer:
 
         resume_from_checkpoint: a checkpoint folder, or True for the newest in output_dir; None: the args' value.
         """
-        self._check_train_dataset()
+        check_train_data(self.train_dataset, self.world.world_size)
+        lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            lock.release()
+
+    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume_path = resume.choose_checkpoint(asked, self.args.output_dir, restart=self.world.restart)
         self._keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
@@ -142,7 +152,7 @@ class Trainer:
         sampler_state = self._resume(resume_path) if resume_path else None
         self.reporter.open()
         bar = self.reporter.progress_bar(self.state.max_steps, self.state.global_step, bool(self.args.disable_tqdm))
-        run = Progress(bar, self.state.global_step, self.world.device)
+        run = Progress(bar)
         epoch = sampler_state["epoch"] if sampler_state else 0
         with self._stop:
             while self.state.global_step < self.state.max_steps:
@@ -154,25 +164,18 @@ class Trainer:
                 self._maybe_evaluate_and_save(sampler, step_end=False)
             run.bar.close()
             if self.state.should_stop:
-                # SIGTERM: one checkpoint at the exact next sample, then a clean return (the script exits 0).
+                # SIGTERM or Ctrl-C: one checkpoint at the exact next sample, then a clean return (exit 0).
                 # Still inside the handler: a second SIGTERM must not kill the save half-way.
                 if not self._checkpoint_exists(self.state.global_step):
                     self._save_checkpoint(sampler)
                 self._finish_reports()
-                return TrainOutput(self.state.global_step, run.mean_loss(), {"stopped": 1.0})
+                return TrainOutput(self.state.global_step, self._loss.mean(),
+                                   {**run.summary(self._loss.mean()), "stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
-        metrics = run.summary()
+        metrics = run.summary(self._loss.mean())
         self.log(metrics)
         self._finish_reports()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
-
-    def _check_train_dataset(self) -> None:
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train needs a train_dataset")
-        if len(self.train_dataset) < self.world.world_size:
-            raise ValueError(f"the train_dataset has {len(self.train_dataset)} sample(s) but {self.world.world_size} "
-                             "processes train on it: every rank needs at least one sample of its own. Start fewer "
-                             "processes (--nproc-per-node) or use more data")
 
     def _resume(self, path: str) -> dict | None:
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
@@ -180,6 +183,8 @@ class Trainer:
                                                       scheduler=self.lr_scheduler, world=self.world)
         self.state.global_step = trainer_state["global_step"]
         self.state.log_history = trainer_state.get("log_history", [])
+        self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
+                                 trainer_state.get("steps_since_last_log", 0))
         return sampler_state
 
     def _train_epoch(self, sampler, epoch: int, resumed: dict | None, run: Progress) -> bool:
@@ -216,12 +221,12 @@ class Trainer:
             self.model_wrapped.check_replicas(f"replica check at step {self.state.global_step}")
 
     def _after_step(self, run: Progress, step_loss: torch.Tensor, grad_norm: float, samples: int) -> None:
-        run.step(step_loss, samples)
+        run.step(samples)
+        self._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
         step = self.state.global_step
         if step % self.state.logging_steps == 0 or step == self.state.max_steps:
-            # Each rank holds its share of every step's mean loss: their sum is the global mean, exactly.
-            loss = run.logged(sum_over_ranks(self.comm, run.tr_loss, "logged loss")[0], step)
-            self.log({"loss": loss, "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
+            self._loss.settle_now(self.comm, self.world, "logged loss")
+            self.log({"loss": self._loss.take_log(), "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
                       "samples_per_second": run.clock.lap()})
         run.show(self.state.last_logged("loss"))
 
@@ -230,8 +235,11 @@ class Trainer:
         taken = take_batches(batches, self.args.gradient_accumulation_steps)
         if taken:
             self._last_batch = taken[-1]
-        return agree_on_window(self.comm, self.world, taken, items=sum(self.count_items(b) for b in taken),
-                               samples=sum(model_io.batch_len(b) for b in taken), stop=self._stop.requested)
+        window = agree_on_window(self.comm, self.world, taken, items=sum(self.count_items(b) for b in taken),
+                                 samples=sum(model_io.batch_len(b) for b in taken), stop=self._stop.requested,
+                                 loss=self._loss.carried())
+        self._loss.settle(window.previous_loss)
+        return window
 
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
         """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
@@ -303,16 +311,12 @@ class Trainer:
 
     # -- evaluation, saving ----------------------------------------------------------------------------------------
     def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
-        args, state = self.args, self.state
-        step = state.global_step
-        if step_end:
-            evaluate = args.eval_strategy == "steps" and step % state.eval_steps == 0
-            save = args.save_strategy == "steps" and step % state.save_steps == 0
-        elif final:
-            evaluate = args.eval_strategy != "no" and not state.logged_at("eval_loss", step)
-            save = args.save_strategy != "no" and not self._checkpoint_exists(step)
-        else:
-            evaluate, save = args.eval_strategy == "epoch", args.save_strategy == "epoch"
+        step = self.state.global_step
+        moment = "step" if step_end else "final" if final else "epoch"
+        evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
+                             self.state.save_steps, evaluated=self.state.logged_at("eval_loss", step))
+        if final and save:
+            save = not self._checkpoint_exists(step)
         if evaluate and self.eval_dataset is not None:
             self.evaluate()
         if save:
@@ -326,6 +330,9 @@ class Trainer:
         return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
 
     def _save_checkpoint(self, sampler) -> str:
+        self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
+        self.state.loss_since_last_log = self._loss.unlogged
+        self.state.steps_since_last_log = self._loss.unlogged_steps
         return checkpoint.save_checkpoint(
             self.args.output_dir, self.state.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(), sampler_state=sampler.state_dict(),

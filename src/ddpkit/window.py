@@ -1,9 +1,10 @@
 """One optimizer step ("window") as every rank sees it: the micro-batches this rank takes, and what one all-reduce
 tells it of the others (global items and samples, the most micro-batches any rank holds, whether any rank was asked
-to stop).
+to stop, and the previous step's global loss).
 
     taken = take_batches(batches, gradient_accumulation_steps)
-    window = agree_on_window(comm, world, taken, items=..., samples=..., stop=stop.requested)
+    window = agree_on_window(comm, world, taken, items=..., samples=..., stop=stop.requested,
+                             loss=running.carried())
 
 A rank that holds fewer micro-batches than the fullest one runs the missing passes on a zero-weight batch, so the
 gradient all-reduces still match and uneven data never hangs.
@@ -14,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +33,8 @@ class Window:
     items: float  # global items: the loss of the step is their mean
     samples: int  # global samples
     micro_steps: int  # forward/backward passes every rank runs: the most batches any rank holds
-    stop: bool = False  # some rank got SIGTERM: every rank stops after this step
+    stop: bool = False  # some rank got SIGTERM or Ctrl-C: every rank stops after this step
+    previous_loss: float = 0.0  # the sum over the ranks of the loss shares they carried (see RunningLoss)
 
 
 def take_batches(batches: Iterator, accumulation_steps: int) -> list[Any]:
@@ -44,37 +48,77 @@ def take_batches(batches: Iterator, accumulation_steps: int) -> list[Any]:
     return taken
 
 
-def agree_on_window(comm: Comm, world: DistEnv, taken: list[Any], items: float, samples: int, stop: bool) -> Window:
-    """The window every rank runs, from this rank's micro-batches (with their items and samples): one all-reduce."""
-    # [ranks asked to stop, global items, global samples, batches of rank 0, ..., batches of rank N-1]: each rank
-    # fills in its own, so the sums are every rank's. The stop flag rides along, so agreeing on SIGTERM costs no
-    # extra collective.
-    mine = [0.0] * (3 + world.world_size)
-    mine[0], mine[1], mine[2] = float(stop), float(items), float(samples)
-    mine[3 + world.rank] = len(taken)
-    counts = sum_over_ranks(comm, mine, "items and batches of this optimizer step", world.device)
-    return Window(taken, counts[1], int(counts[2]), int(max(counts[3:])), stop=counts[0] > 0)
+def _layout(world: DistEnv, stop: bool = False, items: float = 0.0, samples: int = 0, batches: int = 0,
+            loss: float = 0.0) -> list[float]:
+    # [ranks asked to stop, global items, global samples, loss, batches of rank 0, ..., batches of rank N-1]: each
+    # rank fills in its own, so the sums are every rank's. The stop flag and the previous step's loss ride along,
+    # so agreeing on a stop and logging the loss cost no collective of their own.
+    mine = [float(stop), float(items), float(samples), float(loss)] + [0.0] * world.world_size
+    mine[4 + world.rank] = float(batches)
+    return mine
+
+
+def agree_on_window(comm: Comm, world: DistEnv, taken: list[Any], items: float, samples: int, stop: bool,
+                    loss: float = 0.0) -> Window:
+    """The window every rank runs, from this rank's micro-batches (with their items and samples): one all-reduce.
+    `loss` is this rank's share of the previous step's loss, summed over the ranks into `previous_loss`."""
+    counts = sum_over_ranks(comm, _layout(world, stop, items, samples, len(taken), loss),
+                            "items and batches of this optimizer step", world.device)
+    return Window(taken, counts[1], int(counts[2]), int(max(counts[4:])), stop=counts[0] > 0,
+                  previous_loss=counts[3])
+
+
+def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
+    """The sum over the ranks of their loss shares, in its own all-reduce (before a log or a checkpoint) but laid
+    out as agree_on_window lays it out, so that the sum's rounding is the same whichever of the two computed it."""
+    return sum_over_ranks(comm, _layout(world, loss=loss), what, world.device)[3]
 
 
 class StopRequest:
-    """While entered, SIGTERM asks for a stop (`requested`) instead of killing the process; the ranks agree on it
-    at the next window. Only the main thread may handle signals: elsewhere SIGTERM keeps its default."""
+    """While entered, SIGTERM and the first Ctrl-C (SIGINT) ask for a stop (`requested`) instead of ending the
+    process: the ranks agree on it at the next window, stop after the same step and write one checkpoint. A second
+    Ctrl-C raises KeyboardInterrupt at once. Only the main thread may handle signals: elsewhere both keep their
+    defaults.
 
-    def __init__(self):
+    Under a launcher (ddpkit launch, torchrun) the workers run in sessions of their own: a terminal's Ctrl-C
+    reaches the launcher, which forwards the first as SIGINT and answers a second one by sending SIGTERM. So after a
+    Ctrl-C, a SIGTERM counts as the second Ctrl-C too. Without a launcher, or with workers in the terminal's process
+    group, one Ctrl-C may arrive twice moments apart (directly and forwarded): a signal within DUPLICATE_S of the
+    first Ctrl-C is taken for the same one.
+    """
+
+    DUPLICATE_S = 1.0
+
+    def __init__(self, announce: bool = True):
         self.requested = False
+        self.announce = announce  # print what the first Ctrl-C does (rank 0 only, under a launcher)
+        self._first_interrupt: float | None = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._ask)
-            self._stack.callback(signal.signal, signal.SIGTERM, previous)
+            for signum, handler in ((signal.SIGTERM, self._ask), (signal.SIGINT, self._interrupt)):
+                previous = signal.signal(signum, handler)
+                self._stack.callback(signal.signal, signum, previous)
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
     def _ask(self, signum, frame) -> None:
+        if self._first_interrupt is not None:
+            self._interrupt(signum, frame)  # a launcher's answer to a second Ctrl-C
         self.requested = True
 
+    def _interrupt(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._first_interrupt is None:
+            self._first_interrupt, self.requested = now, True
+            if self.announce:
+                print("\n[ddpkit] Ctrl-C: every rank stops after this step and writes a checkpoint; press Ctrl-C "
+                      "again to stop at once, without one", file=sys.stderr, flush=True)
+        elif now - self._first_interrupt > self.DUPLICATE_S:
+            raise KeyboardInterrupt
 
-__all__ = ["StopRequest", "Window", "agree_on_window", "take_batches"]
+
+__all__ = ["StopRequest", "Window", "agree_on_window", "sum_loss", "take_batches"]

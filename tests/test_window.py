@@ -1,0 +1,102 @@
+"""The stop request of a window: Ctrl-C and SIGTERM under the real launcher, done from outside.
+
+A terminal's Ctrl-C sends SIGINT to its whole foreground process group: the launcher and its workers. The tests
+send it the same way (os.killpg on the launcher's session), so each worker gets it twice, from the terminal and
+forwarded by the launcher, as it would in a real terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ddpkit.checkpoint import list_checkpoints, load_checkpoint
+
+HERE = Path(__file__).parent
+SCRIPT = str(HERE / "scripts" / "train_resilient.py")
+FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
+                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
+                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
+
+
+class Job:
+    """A launcher in its own session, its merged output read by a thread."""
+
+    def __init__(self, *argv: str):
+        env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", *argv],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_until(self, done, deadline_s: float = 90) -> None:
+        end = time.monotonic() + deadline_s
+        while not done():
+            assert self.proc.poll() is None and time.monotonic() < end, self.output
+            time.sleep(0.05)
+
+    def press_ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def finish(self, deadline_s: float = 60) -> int:
+        try:
+            return self.proc.wait(deadline_s)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self._reader.join(10)
+
+
+def test_the_first_ctrl_c_stops_every_rank_with_one_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    job = Job(SCRIPT, "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "0.2")
+    job.wait_until(lambda: "LOGGED step" in job.output)
+    job.press_ctrl_c()
+    rc = job.finish()
+    assert rc == 130, job.output  # the job did not finish: 128 + SIGINT, as a shell reports it
+    assert job.output.count("Ctrl-C: every rank stops after this step") == 1, job.output
+    results = re.findall(r'^\[rank\d\]: RESULT .*"stopped": true', job.output, re.MULTILINE)
+    assert len(results) == 2, job.output  # both ranks stopped cleanly, neither was interrupted half-way
+    found = list_checkpoints(str(out))
+    assert len(found) == 1, found
+    assert load_checkpoint(found[0]).trainer_state["should_stop"] is True
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # Each step sleeps 5 s first: a stop at the end of the step would wait for it; the second Ctrl-C must not.
+    job = Job(SCRIPT, "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "5")
+    job.wait_until(lambda: "LOGGED step" in job.output)
+    job.press_ctrl_c()
+    time.sleep(1.5)  # past the 1 s in which a second SIGINT counts as the same Ctrl-C
+    job.press_ctrl_c()
+    job.finish()
+    assert "KeyboardInterrupt" in job.output, job.output
+    assert "RESULT" not in job.output and list_checkpoints(str(out)) == [], job.output
+
+
+def test_an_example_stopped_by_sigterm_ends_cleanly_and_writes_no_final_model(tmp_path):
+    out = tmp_path / "digits"
+    job = Job(str(HERE.parent / "examples" / "train_digits.py"), "--output_dir", str(out), "--disable_tqdm",
+              "true", "--num_train_epochs", "400")
+    job.wait_until(lambda: (out / "metrics.jsonl").exists())
+    job.proc.send_signal(signal.SIGTERM)
+    rc = job.finish()
+    assert rc == 143, job.output
+    assert "Traceback" not in job.output and "KeyError" not in job.output, job.output
+    assert re.search(r"stopped at step \d+ of \d+; continue with --resume_from_checkpoint true", job.output)
+    assert not (out / "model.safetensors").exists(), "a stopped run wrote a final model as if it had finished"
+    assert len(list_checkpoints(str(out))) == 1
