@@ -178,11 +178,7 @@ class DistributedDataParallel(TorchDDP):
         if self.reducer is None:
             self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
             return
-        if self.reducer.comm_hook is not None:
-            raise RuntimeError("a comm hook is already registered; register_comm_hook may be called only once")
-        if self.reducer.windows > 0:
-            raise RuntimeError("register_comm_hook must be called before the first backward pass")
-        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+        self.reducer.register_comm_hook(state, hook)
 
     def will_sync_module_buffers(self) -> bool:
         return self.reducer is not None and bool(self._buffers_to_sync)
