@@ -7,6 +7,8 @@ Read top-down, the life of one backward pass (a `Window`):
    it runs once the *outermost* backward is done, also under reentrant checkpointing. (When no output node
    could take the hook, the first gradient hook opens it instead; inside a reentrant checkpoint that is an
    inner backward, whose end then reduces early: the gradients stay right, at the cost of extra all-reduces.)
+   Whether the window synchronises was decided at forward time; `prepare_for_backward` overrides that for the
+   next backward, as torch's reducer does.
 2. Hook. Each parameter's post-accumulate-grad hook counts how often its gradient was accumulated. When the
    count reaches the number learned in the first iteration, the parameter is ready; a bucket whose parameters
    are all ready is launched, strictly in bucket-index order on every rank, so collectives always match. With
@@ -96,6 +98,7 @@ class Reducer:
         self.uses = Uses(n)  # since the last synchronised finalize, so no_sync micro-batches count as uses
         self.windows = 0  # synchronised windows finalized
         self.launched_during_backward = 0  # buckets of the last synchronised window launched before its finalize
+        self._sync_requested = False  # prepare_for_backward: the next backward synchronises
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
 
@@ -127,6 +130,7 @@ class Reducer:
                     self._open_sync(window)
                 return
             self._abandon(window)  # the previous backward raised before its finalize ran
+        sync, self._sync_requested = sync or self._sync_requested, False
         window = self.window = Window(task)
         if sync:
             self._open_sync(window)
@@ -157,8 +161,11 @@ class Reducer:
         self.uses = Uses(len(self.params))
 
     def prepare_for_backward(self, outputs: Any = ()) -> None:
-        """torch's reducer method, which accelerate's trigger_sync_in_backward calls. Nothing to prepare here:
-        a backward that no forward armed takes the wrapper's require_backward_grad_sync when it starts."""
+        """torch's reducer method (accelerate's trigger_sync_in_backward calls it): the next backward pass
+        synchronises, whatever its forward decided. Its outputs are not walked: that backward waits for every
+        parameter (find_unused_parameters' early launches are skipped once), which is always correct."""
+        self._sync_requested = True
+        self.set_unreachable([])
 
     # -- 2. hook -------------------------------------------------------------------------------------------------
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
