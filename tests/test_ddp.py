@@ -7,6 +7,7 @@ several optimizer steps too, and the replicas must be bitwise identical across r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 
@@ -574,3 +575,61 @@ def test_prepare_for_backward_overrides_the_forward_decision():
             assert worst_torch is None or worst_torch <= 1e-6, f"{name}: off torch's wrapper by {worst_torch:.3g}"
             assert worst_truth <= TOL, f"{name}: off single-process truth by {worst_truth:.3g}"
         assert a[name][2] == b[name][2], f"{name}: replicas diverged"
+
+
+def buffers_under_no_sync(world):
+    import ddpkit
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    r, n = world.rank, world.world_size
+    mine = slice(r * SHARD, (r + 1) * SHARD)
+    torch.manual_seed(7 + r)  # different on every rank: the init broadcast makes them rank 0's
+    model = models.ConvBN()
+    runs = {}
+    for label, wrap, module in (("ddpkit", ddpkit.DistributedDataParallel, model),
+                                ("torch", TorchDDP, copy.deepcopy(model))):
+        ddp = wrap(module, bucket_cap_mb=0.002)
+        broadcasts = []
+        if label == "ddpkit":
+            comm, send = ddp._comm, ddp._comm.broadcast_tensors
+            comm.broadcast_tensors = lambda *a, **k: (broadcasts.append(1), send(*a, **k))[1]
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        seen = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            for k in range(3):
+                x, y = models.batch("convbn", SHARD * n, seed=80 + 3 * step + k)
+                if step == 1:  # nanoGPT's way: the flag set directly
+                    ddp.require_backward_grad_sync = k == 2
+                    models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+                else:
+                    with ddp.no_sync() if k < 2 else contextlib.nullcontext():
+                        models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+                seen.append([b.clone() for b in module.buffers()])
+            opt.step()
+        # accelerate's trigger_sync_in_backward sets require_forward_param_sync: the next forward broadcasts.
+        for force in (False, False, True):
+            ddp.require_forward_param_sync |= force
+            with ddp.no_sync():
+                models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+            seen.append([b.clone() for b in module.buffers()])
+        if label == "ddpkit":
+            del comm.broadcast_tensors
+        runs[label] = (seen, len(broadcasts), _fingerprint(module))
+    mismatches = [(i, j) for i, (ours, theirs) in enumerate(zip(runs["ddpkit"][0], runs["torch"][0]))
+                  for j, (a, b) in enumerate(zip(ours, theirs)) if not torch.equal(a, b)]
+    return {"mismatches": mismatches, "broadcasts": runs["ddpkit"][1], "params": runs["ddpkit"][2],
+            "torch_params": runs["torch"][2], "stats": [t.tolist() for t in runs["ddpkit"][0][1]]}
+
+
+def test_buffers_follow_require_forward_param_sync_like_torch():
+    """BatchNorm statistics under no_sync accumulation equal torch's wrapper's bitwise: only the forward after a
+    synchronised one broadcasts rank 0's buffers, so accumulation pays one broadcast per step."""
+    a, b = run_world(buffers_under_no_sync, 2)
+    for res in (a, b):
+        assert not res["mismatches"], f"buffers differ from torch's (micro-step, buffer): {res['mismatches']}"
+        # One per accumulation step (3); after them, one for the forward that follows the synchronised one, none
+        # for the next, one after the flag was set.
+        assert res["broadcasts"] == 5, res["broadcasts"]
+    assert a["stats"] != b["stats"], "buffers were broadcast inside no_sync"
+    assert a["params"] == b["params"]
