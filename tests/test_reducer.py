@@ -1,6 +1,8 @@
-"""The bucket plan and the ready order: pure functions, no processes."""
+"""The bucket plan, the ready order and bucket layouts (pure functions), and the reductions on spawned ranks."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -84,3 +86,146 @@ def test_ready_order_uses_last_firing_and_puts_unused_last():
     # 2 fired twice (reentrant checkpointing): it is ready at its second firing.
     assert ready_order([3, 2, 4, 2], num_params=6) == [3, 4, 2, 5, 1, 0]
     assert ready_order([], num_params=3) == [2, 1, 0]
+
+
+# -- bucket layouts and shards: pure ----------------------------------------------------------------------------
+def test_layout_pads_to_equal_shards_and_maps_them_back():
+    from ddpkit.bucket import ShardPiece, layout_buckets
+
+    (layout,) = layout_buckets([[2, 0]], [spec(3), spec(1), spec(4)], shards=3)
+    assert layout.members == (2, 0) and layout.offsets == (0, 4) and layout.numel == 7
+    assert layout.shard_numel == 3 and layout.padded_numel == 9  # two zeros of padding at the end
+    assert layout.shard_pieces(0) == [ShardPiece(2, 0, 3, 0)]
+    assert layout.shard_pieces(1) == [ShardPiece(2, 3, 4, 0), ShardPiece(0, 0, 2, 1)]
+    assert layout.shard_pieces(2) == [ShardPiece(0, 2, 3, 0)]  # then padding
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 9))
+def test_shards_cover_every_element_once(numels, shards):
+    from ddpkit.bucket import layout_buckets
+
+    specs = [spec(n) for n in numels]
+    (layout,) = layout_buckets([list(reversed(range(len(specs))))], specs, shards=shards)
+    assert layout.padded_numel % shards == 0 and 0 <= layout.padded_numel - layout.numel < shards
+    flat = torch.arange(layout.padded_numel)
+    rebuilt = {i: torch.full((n,), -1) for i, n in enumerate(numels)}
+    for rank in range(shards):
+        lo, hi = layout.shard_range(rank)
+        shard = flat[lo:hi]
+        for piece in layout.shard_pieces(rank):
+            part = rebuilt[piece.param][piece.start:piece.stop]
+            assert (part == -1).all(), "an element is in two shards"
+            part.copy_(shard[piece.shard_offset:piece.shard_offset + piece.stop - piece.start])
+    for i, offset in zip(layout.members, layout.offsets):
+        assert torch.equal(rebuilt[i], torch.arange(offset, offset + numels[i]))
+
+
+def test_a_window_starts_clean():
+    from ddpkit.backward import Uses, Window
+
+    window = Window(graph_task=7)
+    assert window.open and not window.sync and window.usage is None
+    window.open_sync(3, [], divisor=2.0, number=1)
+    assert window.fires == [0, 0, 0] and window.filled == [False] * 3 and window.divisor == 2.0
+    uses = Uses(3)
+    uses.mark(1)
+    uses.mark(1)
+    assert uses.flags == [False, True, False] and uses.count == 1
+
+
+# -- the reductions, on spawned ranks ---------------------------------------------------------------------------
+class _Gated(torch.nn.Module):
+    """A layer, a gate only rank 0 uses, and a layer only rank 0 uses from the third step on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 7)
+        self.gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, 7))
+        self.late = torch.nn.Linear(7, 7)
+
+    def forward(self, x, rank, step):
+        h = torch.tanh(self.lin(x))
+        if rank == 0:
+            h = h * self.gate
+        return h + self.late(h) if rank == 0 and step == 2 else h
+
+
+def reductions(world):
+    import copy
+
+    from ddpkit.comm import Comm
+    from ddpkit.reducer import Reducer
+    from ddpkit.reduction import ReduceScatter
+
+    comm, r, n = Comm.for_group(None), world.rank, world.world_size
+    torch.manual_seed(0)
+    ref = _Gated()
+    copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_gloo", "rs_native")}
+    seen: dict[str, list] = {"rs_gloo": [], "rs_native": []}
+
+    def reducer(key, **kwargs):
+        named = list(copies[key].named_parameters())
+        return Reducer([p for _, p in named], [m for m, _ in named], comm, bucket_cap_mb=0.0001, **kwargs)
+
+    reducers = {"allreduce": reducer("allreduce"), "sum": reducer("sum", divisor=1.0)}
+    for key, native in (("rs_gloo", False), ("rs_native", True)):
+        on_shard = functools.partial(lambda k, bucket, shard, used: seen[k].append((bucket.index, used)), key)
+        reducers[key] = reducer(key, reduction=ReduceScatter(comm, on_shard=on_shard, native=native))
+    out = {"errors": []}
+    for step in range(3):
+        x = torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(step))
+        for model in [ref, *copies.values()]:
+            model.zero_grad(set_to_none=True)
+        for model in copies.values():
+            model(x[2 * r:2 * r + 2], r, step).sum().backward()
+        (sum(ref(x[2 * k:2 * k + 2], k, step).sum() for k in range(n)) / n).backward()
+        for (name, p), q, s in zip(ref.named_parameters(), copies["allreduce"].parameters(),
+                                   copies["sum"].parameters()):
+            if p.grad is None:  # no rank used it: None stays None
+                out["errors"].append((name, q.grad is None and s.grad is None))
+                continue
+            out["errors"].append((name, (p.grad - q.grad).abs().max().item() <= 1e-6))
+            out["errors"].append((name + " sum", (s.grad - n * q.grad).abs().max().item() <= 1e-6))
+        averaged = {i: p.grad for i, p in enumerate(copies["allreduce"].parameters())}
+        for key in ("rs_gloo", "rs_native"):
+            red = reducers[key]
+            for bucket, layout in zip(red.buckets, red.layouts()):
+                shard = red.reduction.shard(bucket.index)
+                assert shard.numel() == layout.shard_numel
+                covered = 0
+                for piece in layout.shard_pieces(r):
+                    grad = averaged[piece.param]
+                    got = shard[piece.shard_offset:piece.shard_offset + piece.stop - piece.start]
+                    want = torch.zeros_like(got) if grad is None else grad.flatten()[piece.start:piece.stop]
+                    exact = torch.equal(got, want) if key == "rs_gloo" else torch.allclose(got, want, atol=1e-7)
+                    out["errors"].append((f"{key} bucket {bucket.index} param {piece.param}", exact))
+                    covered += piece.stop - piece.start
+                out["errors"].append((f"{key} padding", bool((shard[covered:] == 0).all())))
+    out["usage"] = [rec.what for rec in comm.log if rec.what.startswith("parameter usage")]
+    out["storage"] = [(b.storage.numel(), b.layout.numel) for b in reducers["allreduce"].buckets]
+    out["seen"] = seen
+    out["rank"] = r
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reductions_against_the_all_reduce(world_size):
+    """Reduce-scatter shards (gloo's all-reduce path and the native collective) hold exactly this rank's slice
+    of the average; divisor=1 sums; usage counts travel on their own and a parameter no rank used stays None."""
+    from spawn import run_world
+
+    for res in run_world(reductions, world_size):
+        bad = [name for name, ok in res["errors"] if not ok]
+        assert not bad, bad
+        assert all(total == numel for total, numel in res["storage"]), "usage counts ride in a bucket"
+        # One usage collective per reducer per synchronised backward, named after it.
+        assert res["usage"] == [f"parameter usage, backward {k}" for k in (1, 2, 3) for _ in range(4)], res["usage"]
+        for key in ("rs_gloo", "rs_native"):
+            calls = res["seen"][key]
+            per_window = len({index for index, _ in calls})
+            assert len(calls) == 3 * per_window, "on_shard runs once per bucket per synchronised backward"
+            # The gate (parameter 2) is used on rank 0 only, so somewhere; late.* (3, 4) nowhere until step 2,
+            # where rank 0 used every parameter (and so needs no counts: None) and the other ranks did not.
+            assert calls[per_window][1] == [True, True, True, False, False], calls[per_window]
+            assert calls[-1][1] == (None if res["rank"] == 0 else [True] * 5), calls[-1]

@@ -217,6 +217,42 @@ class Comm:
             return work.get_future()
         return work.work.get_future().then(lambda fut: fut.value()[0])
 
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, what: str = "",
+                              async_op: bool = False, op: dist.ReduceOp = dist.ReduceOp.SUM):
+        """Sum (by default) the flat `input` over the group and leave this rank's equal share of the result,
+        elements [rank * n, (rank + 1) * n) with n = output.numel(), in `output`. async_op as in all_reduce."""
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, it needs output's "
+                             f"{output.numel()} times the world size {self.world_size}")
+        record = self._record("reduce_scatter", what, input.numel() * input.element_size())
+        if not self.distributed:
+            output.copy_(input.reshape(output.shape))
+            return _DoneWork(output) if async_op else None
+        # torch 2.13 renamed it reduce_scatter_single; older versions have only reduce_scatter_tensor.
+        collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        if async_op:
+            return Pending(collective(output, input, op=op, group=self.group, async_op=True), record)
+        with self._blocking(record):
+            collective(output, input, op=op, group=self.group)
+        return None
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, what: str = "",
+                               async_op: bool = False):
+        """Every rank's `input` concatenated in rank order into the flat `output` (world size times as large)."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, it needs input's "
+                             f"{input.numel()} times the world size {self.world_size}")
+        record = self._record("all_gather", what, output.numel() * output.element_size())
+        if not self.distributed:
+            output.copy_(input.reshape(output.shape))
+            return _DoneWork(output) if async_op else None
+        collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if async_op:
+            return Pending(collective(output, input, group=self.group, async_op=True), record)
+        with self._blocking(record):
+            collective(output, input, group=self.group)
+        return None
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
         record = self._record("broadcast", what, tensor.numel() * tensor.element_size())
         if self.distributed:

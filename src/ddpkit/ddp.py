@@ -110,13 +110,21 @@ class DistributedDataParallel(TorchDDP):
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        if self.reducer is not None and torch.is_grad_enabled() and self._buffers_to_sync:
-            # Running statistics and the like come from rank 0 at every training forward.
+        if self.will_sync_module_buffers() and torch.is_grad_enabled():
+            # Running statistics and the like come from rank 0, as in torch's wrapper at every forward that
+            # follows a synchronised one (require_forward_param_sync, set in _post_forward): under no_sync
+            # accumulation only the first micro-batch pays the broadcast, and each later one keeps its own
+            # statistics. Forwards without grad never broadcast, nor change the flag: evaluation may run on one
+            # rank only, where torch's wrapper, which broadcasts there too, hangs.
             self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
         return inputs, kwargs
 
     def _post_forward(self, output: Any) -> Any:
-        if self.reducer is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return output
+        # torch's rule: buffers are broadcast before the next forward only if this one will synchronise.
+        self.require_forward_param_sync = self.require_backward_grad_sync
+        if self.reducer is None:
             return output
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
@@ -178,14 +186,11 @@ class DistributedDataParallel(TorchDDP):
         if self.reducer is None:
             self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
             return
-        if self.reducer.comm_hook is not None:
-            raise RuntimeError("a comm hook is already registered; register_comm_hook may be called only once")
-        if self.reducer.windows > 0:
-            raise RuntimeError("register_comm_hook must be called before the first backward pass")
-        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+        self.reducer.register_comm_hook(state, hook)
 
     def will_sync_module_buffers(self) -> bool:
-        return self.reducer is not None and bool(self._buffers_to_sync)
+        """Whether the next forward broadcasts rank 0's buffers (torch's name and meaning)."""
+        return self.reducer is not None and self.require_forward_param_sync and bool(self._buffers_to_sync)
 
     def _set_static_graph(self) -> None:
         """Accepted for compatibility (accelerate calls it): ddpkit learns the graph in the first iteration."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .reducer import GradBucket
+from .bucket import GradBucket
 
 
 def _comm(state: Comm | None, bucket: GradBucket) -> Comm:

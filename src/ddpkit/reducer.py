@@ -1,24 +1,27 @@
-"""Gradient buckets, backward hooks, asynchronous all-reduce and the end-of-backward finalize.
+"""Backward hooks, buckets launched in order while backward runs, and the end-of-backward finalize.
 
-Read top-down, the life of one synchronised backward pass (a "window"):
+Read top-down, the life of one backward pass (a `Window`):
 
 1. Arm. The first autograd node of the backward pass (the node that produced a forward output, on which the
-   DDP wrapper registered a pre-hook) opens the window and queues `_finalize` on the autograd engine, so that
+   DDP wrapper registered a pre-hook) opens a window and queues its finalize on the autograd engine, so that
    it runs once the *outermost* backward is done, also under reentrant checkpointing. (When no output node
    could take the hook, the first gradient hook opens it instead; inside a reentrant checkpoint that is an
    inner backward, whose end then reduces early: the gradients stay right, at the cost of extra all-reduces.)
+   Whether the window synchronises was decided at forward time; `prepare_for_backward` overrides that for the
+   next backward, as torch's reducer does.
 2. Hook. Each parameter's post-accumulate-grad hook counts how often its gradient was accumulated. When the
    count reaches the number learned in the first iteration, the parameter is ready; a bucket whose parameters
    are all ready is launched, strictly in bucket-index order on every rank, so collectives always match. With
    several wrappers on one process group inside one backward, buckets wait for the finalizes instead, which run
    in the same order on every rank.
-3. Launch. The bucket's gradients are copied into its flat buffer, divided by the world size and all-reduced
-   asynchronously (or handed to a comm hook) while backward goes on.
+3. Launch. The bucket (ddpkit.bucket) copies its gradients into its flat storage, divided by the divisor (the
+   world size unless told otherwise), and hands it to the reduction (ddpkit.reduction: an all-reduce, a comm
+   hook, or a reduce-scatter into this rank's shard) asynchronously while backward goes on. After the last
+   bucket, the per-parameter usage counts go out as their own small collective.
 4. Finalize. Buckets that never filled (their parameters got no gradient on this rank) are launched with
-   whatever gradient their parameters hold (zeros for none), every bucket is awaited, and the averages are
-   written back. A usage count per parameter travels at the end of the last bucket: a parameter no rank used
-   keeps its gradient as it was (None stays None), one used by some ranks gets the average over all ranks,
-   as one process on the concatenated batch would.
+   whatever gradient their parameters hold (zeros for none), every bucket is awaited and written back. A
+   parameter no rank used keeps its gradient as it was (None stays None); one used by some ranks gets the
+   average over all ranks, as one process on the concatenated batch would.
 
 The first synchronised window only learns: it records the order in which gradients became ready and how many
 times each was accumulated, reduces everything at its end, and builds the buckets in rank 0's ready order.
@@ -26,15 +29,20 @@ times each was accumulated, reduces everything at its end, and builds the bucket
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd import Variable
 
+from .bucket import Bucket, BucketLayout, GradBucket, ParamSpec, layout_buckets, plan_buckets, ready_order
 from .comm import Comm
+from .reduction import AllReduce, CommHook, CommHookReduction, ReduceScatter, Reduction
+from .backward import Uses, Window
+
+__all__ = ["Reducer", "Bucket", "BucketLayout", "GradBucket", "ParamSpec", "plan_buckets", "ready_order",
+           "Reduction", "AllReduce", "CommHookReduction", "ReduceScatter", "CommHook", "Window"]
 
 # torch's default bucket size; the first bucket is small because its gradients (the last layers') are ready
 # first and launching it early starts communication sooner (torch makes the same choice, 1 MiB).
@@ -47,137 +55,19 @@ FIRST_BUCKET_CAP_MB = 1.0
 # 32K elements (128 KiB in float32) was where the two ways broke even in `python -m ddpkit.bench` on the CPU.
 EAGER_NUMEL = 1 << 15
 
-CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
-
-
-# -- the bucket plan: pure -------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """What the plan needs to know about one parameter."""
-
-    numel: int
-    element_size: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
-
-
-def plan_buckets(specs: Sequence[ParamSpec], order: Sequence[int], cap_bytes: int,
-                 first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Group parameter indices into buckets.
-
-    Parameters are taken in `order` (the order their gradients are expected to be ready); each (dtype,
-    device) gets its own buckets; a bucket is closed as soon as it holds at least its cap (the first bucket of each
-    kind uses `first_cap_bytes`), so it overshoots by at most its last parameter. That is torch's rule, and it is
-    what makes the first bucket useful for overlap: with two 4 MiB layers behind a tiny head, a strict cap would
-    leave the head alone in the first bucket and everything else in one bucket that launches only at the end.
-    Buckets are numbered by the position of their first parameter in `order`, so bucket 0 is the first ready.
-    """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
-    if sorted(order) != list(range(len(specs))):
-        raise ValueError("order must be a permutation of the parameter indices")
-    first_cap = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
-    open_buckets: dict[tuple, list[int]] = {}
-    open_bytes: dict[tuple, int] = {}
-    closed_count: dict[tuple, int] = {}
-    done: list[list[int]] = []
-    for index in order:
-        spec = specs[index]
-        kind = (spec.dtype, spec.device)
-        bucket = open_buckets.setdefault(kind, [])
-        bucket.append(index)
-        open_bytes[kind] = open_bytes.get(kind, 0) + spec.nbytes
-        limit = first_cap if closed_count.get(kind, 0) == 0 else cap_bytes
-        if open_bytes[kind] >= limit:
-            done.append(bucket)
-            closed_count[kind] = closed_count.get(kind, 0) + 1
-            open_buckets[kind] = []
-            open_bytes[kind] = 0
-    done.extend(b for b in open_buckets.values() if b)
-    position = {index: pos for pos, index in enumerate(order)}
-    done.sort(key=lambda bucket: position[bucket[0]])
-    return done
-
-
-def ready_order(fired: Sequence[int], num_params: int) -> list[int]:
-    """The order in which parameters became ready: by their last hook firing; never-fired ones last, in
-    reverse registration order (the order backward usually visits them)."""
-    last = {index: pos for pos, index in enumerate(fired)}
-    seen = sorted(last, key=last.__getitem__)
-    rest = [i for i in reversed(range(num_params)) if i not in last]
-    return seen + rest
-
-
-# -- buckets at run time ---------------------------------------------------------------------------------------
-class GradBucket:
-    """One bucket as a comm hook sees it (the surface of torch's GradBucket)."""
-
-    def __init__(self, index: int, params: list[torch.nn.Parameter], buffer: torch.Tensor, comm: Comm,
-                 is_last: bool):
-        self._index = index
-        self._params = params
-        self._buffer = buffer
-        self._is_last = is_last
-        self.comm = comm
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        """The flat gradients of this bucket; a hook reduces it and returns it (or a tensor of its size)."""
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return list(self.views)
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-
-class _Bucket:
-    """Run-time state of one bucket: its storage and, per window, how far it got."""
-
-    def __init__(self, index: int, members: list[int], params: list[torch.nn.Parameter], comm: Comm,
-                 is_last: bool, flag_slots: int):
-        numel = sum(params[i].numel() for i in members)
-        first = params[members[0]]
-        # The last bucket carries one usage count per parameter after its gradients (see _finalize).
-        self.storage = torch.zeros(numel + flag_slots, dtype=first.dtype, device=first.device)
-        self.members = members
-        self.params = [params[i] for i in members]
-        self.grad_numel = numel
-        self.public = GradBucket(index, [params[i] for i in members], self.storage[:numel], comm, is_last)
-        self.views = self.public.views
-        self.flags = self.storage[numel:] if flag_slots else None
-        self.pending = len(members)
-        self.launched = False
-        self.work: Any = None
-        self.future: torch.futures.Future | None = None
-        self.record: Any = None  # what the comm hook's collective is, for the stall inspector
-
 
 class Reducer:
-    """Averages the gradients of `params` over `comm`'s ranks during backward."""
+    """Averages the gradients of `params` over `comm`'s ranks during backward.
+
+    divisor: what the summed gradients are divided by (None: the world size, an average); it may be changed
+    between backward passes. reduction: how buckets are reduced (None: an all-reduce); see `set_reduction`.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], comm: Comm,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, gradient_as_bucket_view: bool = False,
                  first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB,
-                 default_sync: Callable[[], bool] = lambda: True):
+                 default_sync: Callable[[], bool] = lambda: True, divisor: float | None = None,
+                 reduction: Reduction | None = None):
         if not params:
             raise ValueError("there are no parameters that require a gradient to reduce")
         self.params = params
@@ -189,140 +79,153 @@ class Reducer:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.default_sync = default_sync  # whether a backward that no forward armed should synchronise
-        self.comm_hook: CommHook | None = None
-        self.comm_hook_state: Any = None
+        self.divisor = divisor
+        self.reduction: Reduction = reduction or AllReduce(comm)
         self.specs = [ParamSpec(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
         n = len(params)
-        self.buckets: list[_Bucket] = []
-        self.bucket_of: list[int] = [0] * n
-        self.expected: list[int] = [1] * n  # accumulations per backward, learned in the first window
+        # The plan, learned in the first synchronised window:
         self.learning = True
-        self.fired_order: list[int] = []
+        self.buckets: list[Bucket] = []
+        self.bucket_of: list[int] = [0] * n
+        self.position: list[int] = [0] * n  # a parameter's place among its bucket's members
+        self.expected: list[int] = [1] * n  # accumulations per backward
         self.rebuilt_order: list[int] | None = None  # rank 0's ready order the buckets were built from
-        # Per synchronised window:
-        self.armed = False
-        self.sync = False
-        self.graph_task: int | None = None
-        self.fires: list[int] = [0] * n
-        self.next_launch = 0
-        # Since the last synchronised finalize (so no_sync micro-batches count as uses):
-        self.used: list[bool] = [False] * n
-        self.num_used = 0
+        self.eager = [p.numel() >= EAGER_NUMEL for p in params]
         # Parameters the forward pass could not reach (find_unused_parameters): ready from the start.
         self.unreachable: list[int] = []
         self.unreachable_set: frozenset[int] = frozenset()
-        self.eager = [p.numel() >= EAGER_NUMEL for p in params]
-        self.filled = [False] * n  # per window: the gradient is already divided into its bucket view
-        self.view_of: list[torch.Tensor | None] = [None] * n
-        self.windows = 0
-        self.launched_during_backward = 0  # buckets of the current/last window launched before its finalize
+        self.window: Window | None = None  # the latest backward pass
+        self.uses = Uses(n)  # since the last synchronised finalize, so no_sync micro-batches count as uses
+        self.windows = 0  # synchronised windows finalized
+        self.launched_during_backward = 0  # buckets of the last synchronised window launched before its finalize
+        self._sync_requested = False  # prepare_for_backward: the next backward synchronises
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
+
+    def set_reduction(self, reduction: Reduction) -> None:
+        """Reduce buckets with `reduction` from now on; only before the first backward (it shapes the buckets)."""
+        if self.windows > 0 or not self.learning:
+            raise RuntimeError("the reduction must be chosen before the first backward pass")
+        self.reduction = reduction
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        if isinstance(self.reduction, CommHookReduction):
+            raise RuntimeError("a comm hook is already registered; register_comm_hook may be called only once")
+        if self.windows > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward pass")
+        self.set_reduction(CommHookReduction(self.comm, state, hook))
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        return self.reduction.hook if isinstance(self.reduction, CommHookReduction) else None
 
     # -- 1. arm --------------------------------------------------------------------------------------------------
     def arm(self, sync: bool) -> None:
         """Open a window for the backward pass that is starting (called from its first autograd node)."""
         task = torch._C._current_graph_task_id()
-        if self.armed:
-            if task == self.graph_task:  # several DDP outputs feed one backward: one window
-                if sync and not self.sync:
-                    self._open_sync()
+        window = self.window
+        if window is not None and window.open:
+            if task == window.graph_task:  # several DDP outputs feed one backward: one window
+                if sync and not window.sync:
+                    self._open_sync(window)
                 return
-            self._abandon()  # the previous backward raised before its finalize ran
-        self.armed = True
-        self.sync = False
-        self.graph_task = task
+            self._abandon(window)  # the previous backward raised before its finalize ran
+        sync, self._sync_requested = sync or self._sync_requested, False
+        window = self.window = Window(task)
         if sync:
-            self._open_sync()
-        Variable._execution_engine.queue_callback(self._finalize)
+            self._open_sync(window)
+        Variable._execution_engine.queue_callback(functools.partial(self._finalize, window))
 
-    def _open_sync(self) -> None:
-        self.sync = True
+    def _open_sync(self, window: Window) -> None:
+        divisor = self.comm.world_size if self.divisor is None else self.divisor
+        window.open_sync(len(self.params), self.buckets, divisor, self.windows + 1)
         self.comm.open_sync_windows += 1
-        self.fires = [0] * len(self.params)
-        self.filled = [False] * len(self.params)
-        self.next_launch = 0
-        self.launched_during_backward = 0
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.members)
-            bucket.launched = False
         if not self.learning:
             for i in self.unreachable:
-                self.fires[i] = self.expected[i]
-                self._count_ready(i)
+                window.fires[i] = self.expected[i]
+                self._count_ready(window, i)
 
-    def _close(self) -> None:
-        if self.sync:
+    def _close(self, window: Window) -> None:
+        if window.sync:
             self.comm.open_sync_windows -= 1
-        self.armed = False
+        window.open = False
 
-    def _abandon(self) -> None:
+    def _abandon(self, window: Window) -> None:
         """The previous backward raised before its finalize: drop what it counted (its uses too)."""
-        for bucket in self.buckets:
-            if bucket.launched:
-                self._wait(bucket)
-        self._close()
-        self.used = [False] * len(self.params)
-        self.num_used = 0
-        self.fired_order = []
+        for bucket, handle in zip(self.buckets, window.inflight):
+            if handle is not None:
+                bucket.wait(handle)
+        if window.usage is not None:
+            self.comm.wait(window.usage)
+        self._close(window)
+        self.uses = Uses(len(self.params))
+
+    def prepare_for_backward(self, outputs: Any = ()) -> None:
+        """torch's reducer method (accelerate's trigger_sync_in_backward calls it): the next backward pass
+        synchronises, whatever its forward decided. Its outputs are not walked: that backward waits for every
+        parameter (find_unused_parameters' early launches are skipped once), which is always correct."""
+        self._sync_requested = True
+        self.set_unreachable([])
 
     # -- 2. hook -------------------------------------------------------------------------------------------------
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        if not self.armed:
+        window = self.window
+        if window is None or not window.open:
             # No armed output reached this backward (the forward's outputs were not tensors we could wrap).
             self.arm(self.default_sync())
-        used = self.used
-        if not used[index]:
-            used[index] = True
-            self.num_used += 1
-        if not self.sync:
+            window = self.window
+        uses = self.uses
+        if not uses.flags[index]:
+            uses.flags[index] = True
+            uses.count += 1
+        if not window.sync:
             return
-        fires = self.fires
+        fires = window.fires
         count = fires[index] + 1
         fires[index] = count
         if self.learning:
-            self.fired_order.append(index)
+            window.fired_order.append(index)
             return
         expected = self.expected[index]
         if count == expected:  # the common case, kept lean: this runs once per parameter per backward
-            if self.eager[index] and self.comm_hook is None:
-                self._fill_one(index)
-            bucket = self.buckets[self.bucket_of[index]]
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch_ready()
+            if self.eager[index] and self.reduction.divides:
+                b = self.bucket_of[index]
+                if self.buckets[b].fill_one(self.position[index], window.divisor):
+                    window.filled[index] = True
+            self._count_ready(window, index)
         elif count > expected:
-            bucket = self.buckets[self.bucket_of[index]]
-            if bucket.launched and index in self.unreachable_set:
-                raise RuntimeError(
-                    f"parameter '{self.names[index]}' received a gradient although find_unused_parameters' walk "
-                    "of the forward graph found no path to it, and its bucket was already reduced. Something in "
-                    "the forward hid the parameter from the graph (a custom autograd Function that runs autograd "
-                    "inside its backward, say). Construct the wrapper with find_unused_parameters=False: ddpkit "
-                    "handles unused parameters without it."
-                )
-            if bucket.launched:
-                raise RuntimeError(
-                    f"parameter '{self.names[index]}' received gradient number {count} in this backward pass "
-                    f"after its bucket was already reduced; in the first iteration it received {expected}. The "
-                    "graph changed how often this parameter is used in one backward pass (a layer called a "
-                    "different number of times under reentrant activation checkpointing, say). Keep that number "
-                    "fixed from one iteration to the next, or use checkpoint(..., use_reentrant=False)."
-                )
-            # Still in time: its gradient is copied when the bucket launches. A parameter the forward pass
-            # could not reach (find_unused_parameters) keeps its count; any other learns the new one.
-            self.filled[index] = False
-            if index not in self.unreachable_set:
-                self.expected[index] = count
+            self._extra_gradient(window, index, count, expected)
 
-    def _count_ready(self, index: int) -> None:
-        bucket = self.buckets[self.bucket_of[index]]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+    def _extra_gradient(self, window: Window, index: int, count: int, expected: int) -> None:
+        launched = window.next_launch > self.bucket_of[index]
+        if launched and index in self.unreachable_set:
+            raise RuntimeError(
+                f"parameter '{self.names[index]}' received a gradient although find_unused_parameters' walk "
+                "of the forward graph found no path to it, and its bucket was already reduced. Something in "
+                "the forward hid the parameter from the graph (a custom autograd Function that runs autograd "
+                "inside its backward, say). Construct the wrapper with find_unused_parameters=False: ddpkit "
+                "handles unused parameters without it.")
+        if launched:
+            raise RuntimeError(
+                f"parameter '{self.names[index]}' received gradient number {count} in this backward pass "
+                f"after its bucket was already reduced; in the first iteration it received {expected}. The "
+                "graph changed how often this parameter is used in one backward pass (a layer called a "
+                "different number of times under reentrant activation checkpointing, say). Keep that number "
+                "fixed from one iteration to the next, or use checkpoint(..., use_reentrant=False).")
+        # Still in time: its gradient is copied when the bucket launches. A parameter the forward pass
+        # could not reach (find_unused_parameters) keeps its count; any other learns the new one.
+        window.filled[index] = False
+        if index not in self.unreachable_set:
+            self.expected[index] = count
+
+    def _count_ready(self, window: Window, index: int) -> None:
+        b = self.bucket_of[index]
+        window.pending[b] -= 1
+        if window.pending[b] == 0:
+            self._launch_ready(window)
 
     # -- 3. launch -----------------------------------------------------------------------------------------------
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, window: Window) -> None:
         """Launch every complete bucket that is next in index order.
 
         Only while this is the one reducer of its process group with an open window: with two wrappers in one
@@ -332,142 +235,83 @@ class Reducer:
         """
         if self.comm.open_sync_windows > 1:
             return
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
-            self._launch(self.buckets[self.next_launch])
-            self.launched_during_backward += 1
+        buckets, pending = self.buckets, window.pending
+        while window.next_launch < len(buckets) and pending[window.next_launch] == 0:
+            self._launch(window, buckets[window.next_launch])
+            window.launched_during_backward += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
-        self.next_launch += 1
-        bucket.launched = True
+    def _launch(self, window: Window, bucket: Bucket) -> None:
+        window.next_launch += 1
         with torch.no_grad():
-            self._fill(bucket, divide=self.comm_hook is None)
-            if bucket.flags is not None:
-                # The last bucket launches after every other one, so every use of this window is known here.
-                if self.num_used == len(self.params):
-                    bucket.flags.fill_(1)
-                else:
-                    bucket.flags.copy_(torch.tensor(self.used, dtype=bucket.flags.dtype))
-            what = f"bucket {bucket.public.index()}, backward {self.windows + 1}"
-            if self.comm_hook is None:
-                bucket.work = self.comm.all_reduce(bucket.storage, what, async_op=True)
-            else:
-                bucket.record = self.comm.note("comm_hook", what, bucket.grad_numel * bucket.storage.element_size())
-                bucket.future = self.comm_hook(self.comm_hook_state, bucket.public)
-                if not isinstance(bucket.future, torch._C.Future):
-                    raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")
-                if bucket.flags is not None:
-                    bucket.work = self.comm.all_reduce(bucket.flags, f"parameter usage, {what}", async_op=True)
+            bucket.fill(window.filled, window.divisor if self.reduction.divides else None)
+            window.inflight[bucket.index] = bucket.launch(f"bucket {bucket.index}, backward {window.number}")
+        if window.next_launch == len(self.buckets):
+            self._launch_usage(window)
 
-    def _fill_one(self, index: int) -> None:
-        """Divide one ready gradient into its bucket view now (see EAGER_NUMEL)."""
-        view, grad = self.view_of[index], self.params[index].grad
-        if grad.data_ptr() == view.data_ptr():
-            return  # already in place (gradient_as_bucket_view); divided at launch, when no more can arrive
-        with torch.no_grad():
-            # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
-            torch.div(grad, self.comm.world_size, out=view)
-        self.filled[index] = True
+    def _launch_usage(self, window: Window) -> None:
+        """Sum over the ranks, per parameter, whether it was used since the last synchronised backward.
 
-    def _fill(self, bucket: _Bucket, divide: bool) -> None:
-        """Copy the gradients not yet in the bucket into its buffer (zeros where there is none), and divide them
-        by the world size unless a comm hook does the reducing."""
-        dst, src, in_place = [], [], []
-        zeros = 0
-        as_view, filled = self.gradient_as_bucket_view, self.filled
-        for i, param, view in zip(bucket.members, bucket.params, bucket.views):
-            if filled[i]:
-                continue
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-                zeros += 1
-            elif as_view and grad.data_ptr() == view.data_ptr():  # already accumulated in place
-                in_place.append(view)
-            else:
-                dst.append(view)
-                src.append(grad)
-        if dst:
-            torch._foreach_copy_(dst, src)
-        if not divide:
-            return
-        # Average = sum of (grad / world): dividing first keeps low-precision sums from overflowing.
-        if len(dst) + len(in_place) + zeros == len(bucket.members):
-            bucket.public.buffer().div_(self.comm.world_size)  # one pass: far cheaper than a foreach of many
-        elif dst or in_place:
-            torch._foreach_div_(dst + in_place, self.comm.world_size)
+        Its own collective (a reduce-scatter shard could not carry the counts), issued right after the last
+        bucket: launches go in index order, so every use of this window is known here, and it is in the same
+        place on every rank. It is never skipped: only a collective every rank skips may be skipped, and whether
+        some rank left a parameter unused is known to that rank alone. Its cost is one message of 4 bytes per
+        parameter that runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it
+        behind), so finalize's wait for it is mostly covered by the wait for that bucket; a rank that used every
+        parameter does not even read the counts. (Not waiting at all there is no option: a collective left
+        unwaited at the last step can be cut off when the process group is destroyed, seen in testing.)
+        """
+        device = self.params[0].device  # NCCL needs the counts on the device
+        if self.uses.count == len(self.params):
+            window.usage_counts = torch.ones(len(self.params), dtype=torch.int32, device=device)
+        else:
+            window.usage_counts = torch.tensor(self.uses.flags, dtype=torch.int32, device=device)
+        window.usage = self.comm.all_reduce(window.usage_counts, f"parameter usage, backward {window.number}",
+                                            async_op=True)
 
     # -- 4. finalize ---------------------------------------------------------------------------------------------
-    def _finalize(self) -> None:
-        self._close()
-        if not self.sync:
+    def _finalize(self, window: Window) -> None:
+        self._close(window)
+        if not window.sync:
             return  # no_sync: gradients stay local and keep accumulating; their uses are remembered
         self.windows += 1
         if self.learning:
-            self._build_buckets()
-        for bucket in self.buckets[self.next_launch:]:
-            self._launch(bucket)
-        last = self.buckets[-1]
-        results = [self._wait(bucket) for bucket in self.buckets]
+            self._build_buckets(window)
+        for bucket in self.buckets[window.next_launch:]:
+            self._launch(window, bucket)
+        results = [bucket.wait(handle) for bucket, handle in zip(self.buckets, window.inflight)]
+        window.inflight = [None] * len(self.buckets)
+        self.comm.wait(window.usage)
+        window.usage = None
         everywhere_used = None
-        if self.num_used < len(self.params):  # otherwise every parameter was used here, so somewhere
-            everywhere_used = (last.flags > 0).tolist()
+        if self.uses.count < len(self.params):  # otherwise every parameter was used here, so somewhere
+            everywhere_used = (window.usage_counts > 0).tolist()
         with torch.no_grad():
             for bucket, result in zip(self.buckets, results):
-                if result is not None and result is not bucket.public.buffer():
-                    bucket.public.buffer().copy_(result)
-                self._write_back(bucket, everywhere_used)
-        self.used = [False] * len(self.params)
-        self.num_used = 0
+                bucket.write_back(result, everywhere_used)
+        self.uses = Uses(len(self.params))
+        self.launched_during_backward = window.launched_during_backward
 
-    def _write_back(self, bucket: _Bucket, everywhere_used: list[bool] | None) -> None:
-        if everywhere_used is None and not self.gradient_as_bucket_view:
-            grads = [p.grad for p in bucket.params]
-            if all(g is not None for g in grads):  # the common case: one call for the whole bucket
-                torch._foreach_copy_(grads, bucket.views)
-                return
-        dst, src = [], []
-        for i, view in zip(bucket.members, bucket.views):
-            if everywhere_used is not None and not everywhere_used[i]:
-                continue  # no rank used it: its gradient stays as it was, None included
-            param = self.params[i]
-            if self.gradient_as_bucket_view:
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                    param.grad = view
-            elif param.grad is None:
-                param.grad = view.clone()
-            else:
-                dst.append(param.grad)
-                src.append(view)
-        if dst:
-            torch._foreach_copy_(dst, src)
-
-    def _build_buckets(self) -> None:
+    def _build_buckets(self, window: Window) -> None:
         """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
-        order = ready_order(self.fired_order, len(self.params))
+        order = ready_order(window.fired_order, len(self.params))
         if self.comm.distributed:
             shared = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)  # NCCL needs it there
             self.comm.broadcast(shared, src=0, what="bucket order")
             order = shared.tolist()
         self.rebuilt_order = order
-        self.expected = [max(count, 1) for count in self.fires]
+        self.expected = [max(count, 1) for count in window.fires]
         plan = plan_buckets(self.specs, order, self.cap_bytes, self.first_cap_bytes)
-        self.buckets = []
-        for b, members in enumerate(plan):
-            is_last = b == len(plan) - 1
-            self.buckets.append(_Bucket(b, members, self.params, self.comm, is_last,
-                                        len(self.params) if is_last else 0))
-            for i, view in zip(members, self.buckets[-1].views):
-                self.bucket_of[i] = b
-                self.view_of[i] = view
-        self.next_launch = 0
+        layouts = layout_buckets(plan, self.specs, self.reduction.shards)
+        self.buckets = [Bucket(layout, self.params, self.comm, self.reduction, layout.index == len(plan) - 1,
+                               self.gradient_as_bucket_view) for layout in layouts]
+        for layout in layouts:
+            for position, i in enumerate(layout.members):
+                self.bucket_of[i] = layout.index
+                self.position[i] = position
+        window.start_buckets(self.buckets)
         self.learning = False
-        self.fired_order = []
 
-    def prepare_for_backward(self, outputs: Any = ()) -> None:
-        """torch's reducer method, which accelerate's trigger_sync_in_backward calls. Nothing to prepare here:
-        a backward that no forward armed takes the wrapper's require_backward_grad_sync when it starts."""
-
-    # -- find_unused_parameters -------------------------------------------------------------------------------
+    # -- find_unused_parameters and introspection ----------------------------------------------------------------
     def set_unreachable(self, unreachable: list[int]) -> None:
         """Parameters the coming backward cannot reach: their buckets need not wait for them."""
         self.unreachable = unreachable
@@ -477,17 +321,6 @@ class Reducer:
         """The current buckets as lists of parameter names (empty until the first synchronised backward)."""
         return [[self.names[i] for i in bucket.members] for bucket in self.buckets]
 
-
-    def _wait(self, bucket: _Bucket) -> torch.Tensor | None:
-        """Wait for a launched bucket; the tensor a comm hook produced, or None for the built-in all-reduce."""
-        result = None
-        if bucket.future is not None:
-            result = self.comm.wait(bucket.future, bucket.record)
-            bucket.future = None
-            if isinstance(result, (list, tuple)):
-                result = result[0]
-        if bucket.work is not None:
-            self.comm.wait(bucket.work)
-            bucket.work = None
-        return result
-
+    def layouts(self) -> list[BucketLayout]:
+        """Where each parameter lies in each bucket's flat storage (empty until the first synchronised backward)."""
+        return [bucket.layout for bucket in self.buckets]
