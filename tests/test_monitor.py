@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -50,30 +51,71 @@ def test_stall_names_the_rank_and_the_collective():
     assert "sleeper_in_a_step" in text and "time.sleep" in text, text  # rank 1's stack, down to the line
 
 
-def barrier_on_rank_zero_only(world):
-    import ddpkit
-
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import time, torch, ddpkit
+    world = ddpkit.init_process_group(backend="gloo", timeout=300)  # the inspector's default threshold: 60 s
     comm = ddpkit.Comm.for_group()
     comm.all_reduce(torch.ones(1), "warm-up")
+    if world.rank == 1:
+        time.sleep(1.5)  # arrives last
+    print(f"ENTER {time.time():.3f}", flush=True)
     try:
         if world.rank == 0:
             comm.barrier("checkpoint saved")  # the classic bug
         comm.all_reduce(torch.ones(4), "metrics")
-        comm.all_reduce(torch.ones(4), "metrics")
     except ddpkit.StallError as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        print(f"RAISED {type(exc).__name__} {time.time():.3f}", flush=True)
+        print(exc, flush=True)
+        raise SystemExit(3)
+    print("no error", flush=True)
+""")
 
 
-def test_order_mismatch_is_reported_as_such():
-    results = run_world(barrier_on_rank_zero_only, 2, collective_timeout_s=TIMEOUT_S, stall_seconds=STALL_S,
-                        deadline_s=90)
-    explained = [text for text in results if "ORDER MISMATCH" in text]
-    assert explained, results
-    text = explained[0]
-    assert "barrier (checkpoint saved)" in text and "all_reduce (metrics)" in text, text
+def run_pair(tmp_path, text: str, deadline_s: float = 60) -> list[tuple[int, str, str, float]]:
+    """Run `text` as ranks 0 and 1 of a world (plain processes, no launcher); (exit status, stdout, stderr,
+    unix time it ended) per rank. Every process is reaped."""
+    from ddpkit.env import free_port
+
+    script = tmp_path / "pair.py"
+    script.write_text(text)
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1"}
+            env.pop("TORCHELASTIC_ERROR_FILE", None)
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        results = []
+        end = time.monotonic() + deadline_s
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+            results.append((proc.returncode, out, err, time.time()))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_order_mismatch_ends_both_ranks_at_once_with_the_report(tmp_path):
+    """rank 0 in a barrier, rank 1 in an all-reduce at the same position: certain, so over in seconds, far
+    below the 60 s threshold and the 300 s timeout."""
+    (rc0, out0, err0, _), (rc1, out1, err1, _) = run_pair(tmp_path, MISMATCH_SCRIPT)
+    entered = max(float(out.split("ENTER ")[1].split()[0]) for out in (out0, out1))
+    # rank 1 (the highest) ends the deadlock: it exits with the report; rank 0's collective breaks, it raises it
+    assert rc1 == 1 and "no rank can progress: ending the job now" in err1, (out1, err1)
+    assert rc0 == 3 and "RAISED DeadlockError" in out0, (out0, err0)
+    raised = float(out0.split("RAISED DeadlockError ")[1].split()[0])
+    print(f"last rank entered the mismatch -> rank 0 raised the report: {raised - entered:.2f} s")
+    assert raised - entered < 20, f"{raised - entered:.1f} s: not the certain-deadlock path"
+    for text in (out0, err1):
+        assert "ORDER MISMATCH at collective #2: rank 0 called barrier (checkpoint saved) where rank 1 called " \
+               "all_reduce (metrics)" in text, text
+        assert 'comm.barrier("checkpoint saved")' in text and 'comm.all_reduce(torch.ones(4), "metrics")' in text
 
 
 def corrupted_replica(world):
@@ -193,7 +235,140 @@ def slow_then_gone(world):
     return "no error"
 
 
-def test_a_resolved_stall_is_not_blamed_later():
+def test_a_resolved_stall_is_not_blamed_later_and_the_rank_that_left_is():
     text, left = run_world(slow_then_gone, 2, collective_timeout_s=TIMEOUT_S, stall_seconds=STALL_S, deadline_s=90)
     assert left == "left"
-    assert text != "no error" and "first barrier" not in text and "StallError" not in text, text
+    assert text.startswith("PeerLeftError: rank 1 left the job early (it called destroy_process_group) after "
+                           "collective #1 barrier (first barrier): the root cause"), text
+    assert "Rank 0 was in collective #2 all_reduce (second)" in text, text
+    assert "StallError" not in text and "has waited" not in text, text  # not the stale explanation of #1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reasoning, without processes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_explanations_come_within_a_minute_then_at_each_doubling():
+    from ddpkit import diagnosis
+
+    assert diagnosis.default_threshold(1800) == 60 and diagnosis.default_threshold(100) == 20
+    assert diagnosis.explanation_times(60, 1800) == [60, 120, 240, 480, 960]
+    assert diagnosis.explanation_times(2, 8) == [2, 4]
+    assert [diagnosis.explanation_due(1.5, n) for n in range(4)] == [1.5, 3, 6, 12]
+    assert diagnosis.explanation_times(0, 100) == []
+
+
+def _state(rank, published, seq, op, what, wait_id, issued=()):
+    return {"rank": rank, "host": "h", "pid": 100 + rank, "published": published, "done_seq": (seq or 1) - 1,
+            "done_what": "", "stack": f'  File "train.py", line {10 + rank}, in main\n',
+            "issued": [list(x) for x in issued],
+            "waiting": None if seq is None else {"seq": seq, "op": op, "what": what, "for_s": 1.0, "id": wait_id}}
+
+
+def test_a_deadlock_is_certain_only_from_fresh_states_of_every_rank():
+    from ddpkit.diagnosis import left_deadlock, mismatch_deadlock
+
+    before = {0: _state(0, 5, 7, "all_reduce", "eval loss", 3), 1: _state(1, 4, 7, "barrier", "save_model", 9)}
+    now = {0: _state(0, 6, 7, "all_reduce", "eval loss", 3), 1: _state(1, 5, 7, "barrier", "save_model", 9)}
+    report = mismatch_deadlock(before, now)
+    assert report.startswith("DEADLOCK") and "ORDER MISMATCH at collective #7: rank 0 called all_reduce (eval " \
+        "loss) where rank 1 called barrier (save_model)" in report
+    assert "train.py\", line 10" in report and "train.py\", line 11" in report  # where each rank called it
+    assert mismatch_deadlock({}, now) is None  # seen once: could be a state from before the wait
+    stale = {**now, 1: _state(1, 4, 7, "barrier", "save_model", 9)}  # rank 1 did not publish again
+    assert mismatch_deadlock(before, stale) is None
+    other_wait = {**now, 1: _state(1, 5, 7, "barrier", "save_model", 10)}  # a new wait since the last poll
+    assert mismatch_deadlock(before, other_wait) is None
+    computing = {**now, 1: _state(1, 5, None, "", "", 0)}
+    assert mismatch_deadlock(before, computing) is None
+    same = {r: _state(r, 6 - r, 7, "all_reduce", "loss", 3) for r in (0, 1)}  # a slow collective, no conflict
+    assert mismatch_deadlock({r: _state(r, 5 - r, 7, "all_reduce", "loss", 3) for r in (0, 1)}, same) is None
+    # different positions, but their issued collectives part at #5: rank 1 skipped an all-reduce there
+    skipped_before = {0: _state(0, 1, 6, "barrier", "end", 4, [(5, "all_reduce", "a")]),
+                      1: _state(1, 1, 5, "barrier", "end", 2)}
+    skipped_now = {r: {**st, "published": 2} for r, st in skipped_before.items()}
+    assert "ORDER MISMATCH at collective #5: rank 0 called all_reduce (a) where rank 1 called barrier (end)" \
+        in mismatch_deadlock(skipped_before, skipped_now)
+    # a rank that left after #6: a wait in #7 can never end; one in #6 may still (its data may be in flight)
+    marker = {1: {"rank": 1, "seq": 6, "what": "all_reduce (logged loss)", "how": "its process exited"}}
+    report = left_deadlock(now[0], marker)
+    assert report.startswith("rank 1 left the job early (its process exited) after collective #6 all_reduce "
+                             "(logged loss): the root cause. Rank 0 waits for it in collective #7"), report
+    assert left_deadlock(_state(0, 6, 6, "all_reduce", "logged loss", 3), marker) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# From outside: the launcher's summary
+# ---------------------------------------------------------------------------------------------------------
+
+MISBEHAVE = str(os.path.join(os.path.dirname(__file__), "scripts", "misbehave.py"))
+
+
+def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(tmp_path):
+    from test_launch import LAUNCH, run
+
+    result = run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", "eval_on_rank0", "--output_dir",
+                  str(tmp_path)], timeout=150)
+    entered = max(float(t) for t in re.findall(r"ENTER \d ([\d.]+)", result.out))
+    print(f"last rank entered the mismatched collective -> launcher exited: {result.ended - entered:.2f} s")
+    assert result.rc == 1, result.err
+    assert "FINISHED" not in result.out
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "DeadlockError" in summary and "ORDER MISMATCH" in summary, summary
+    assert "rank 0 called all_reduce (eval loss) where rank 1 called barrier (save_model)" in summary, summary
+    assert "trainer.evaluate()" in summary and "trainer.save_model()" in summary, summary  # and from where
+    # ddp_timeout is 1800 s and the stall threshold 60 s: only the certain-deadlock path ends it this soon
+    assert result.ended - entered < 30, result.ended - entered
+
+
+def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(tmp_path):
+    from test_launch import LAUNCH, run
+
+    result = run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", "leave_early", "--leave_at_step", "3",
+                  "--output_dir", str(tmp_path)], timeout=150)
+    left = float(re.search(r"LEAVING 1 ([\d.]+)", result.out).group(1))
+    print(f"rank 1 left -> launcher exited: {result.ended - left:.2f} s")
+    assert result.rc == 1, result.err
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "PeerLeftError: rank 1 left the job early (its process exited without an error) after collective #" \
+        in summary, summary
+    assert "the root cause" in summary and "Connection reset" not in summary.split("PeerLeftError")[1][:300]
+    assert "backward 3" in summary, summary  # rank 0 waited in the bucket of the step rank 1 never took
+    assert result.ended - left < 30, result.ended - left
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A long wait: explained again and again, then the timeout
+# ---------------------------------------------------------------------------------------------------------
+
+
+def long_sleeper(world):
+    """Rank 1 sleeps past the 10 s timeout; rank 0 waits in a barrier, explained at 1, 2, 4 and 8 s."""
+    import ddpkit
+
+    comm = ddpkit.Comm.for_group()
+    if world.rank == 1:
+        time.sleep(14)
+        return "slept"
+    start = time.monotonic()
+    try:
+        comm.barrier("after the long load")
+    except ddpkit.StallError as exc:
+        return (time.monotonic() - start, type(exc).__name__, str(exc))
+    return "no error"
+
+
+def test_a_long_wait_is_explained_at_growing_intervals_then_times_out(capfd):
+    outcome, _ = run_world(long_sleeper, 2, collective_timeout_s=10, stall_seconds=1, deadline_s=90,
+                           expect_errors=True)
+    status, value = outcome
+    assert status == "ok", value
+    waited, kind, text = value
+    assert kind == "StallError" and 9 <= waited <= 15, value  # still ends at the timeout, with the explanation
+    assert "ranks that never arrived: [1]" in text and "time.sleep(14)" in text, text
+    printed = [float(s) for s in re.findall(r"\[ddpkit rank 0\] rank 0 has waited (\d+) s in collective",
+                                            capfd.readouterr().err)]
+    assert len(printed) == 4, printed  # at 1, 2, 4 and 8 s (16 s is past the timeout)
+    for seen, due in zip(printed, (1, 2, 4, 8), strict=True):
+        assert due <= seen <= due + 2, printed  # polled once a second: at most a poll late

@@ -92,8 +92,8 @@ class TrainingArguments:
                                                       "checkpointing, True otherwise.")
     # ddpkit's own, not in Transformers:
     ddp_stall_seconds: float | None = _field(None, "Seconds a collective may wait before ddpkit explains which "
-                                                   "ranks are missing and where; 0: off; default: ddp_timeout/5, "
-                                                   "at most 300.")
+                                                   "ranks are missing and where (again at each doubling); 0: off; "
+                                                   "default: ddp_timeout/5, at most 60.")
     ddp_replica_check_steps: int = _field(500, "Every this many optimizer steps, check that every replica is "
                                                "bitwise identical to rank 0's; 0: never.")
 

@@ -373,8 +373,9 @@ def init_process_group(backend: str | None = None, timeout: float | None = None,
                        join_timeout: float | None = None, stall_seconds: float | None = None) -> DistEnv:
     """Join the launcher's world (see `ddpkit.env.init_process_group`) and start the stall inspector.
 
-    stall_seconds: a collective waiting longer than this is explained (who never arrived, and where);
-    default: a fifth of the timeout, at most 5 minutes; 0 turns the inspector off.
+    stall_seconds: a collective waiting longer than this is explained (who never arrived, and where), and
+    again at each doubling of the wait; default: a fifth of the timeout, at most 60 s; 0 turns the inspector
+    off (and with it the early end of certain deadlocks, see ddpkit.monitor).
     """
     world = env.init_process_group(backend, timeout, device_type, join_timeout=join_timeout)
     if world.world_size > 1 and stall_seconds != 0:

@@ -33,6 +33,21 @@ class StallError(RuntimeError):
 class PeerFailedError(RuntimeError):
     """Another rank of the job failed; raised in this rank's main thread."""
 
+
+class DeadlockError(StallError):
+    """Every rank is blocked in collectives that can never complete (an order mismatch, or a rank that left);
+    the message names what each rank called and from which line."""
+
+
+class PeerLeftError(RuntimeError):
+    """A rank left the process group (it exited without an error, or destroyed the group) while this rank
+    still needed it; the message names that rank and the last collective it took part in."""
+
+
+# The names of the errors that explain a failure rather than suffer it: the launcher's root-cause logic counts
+# a traceback that ends in one of them as the cause, even though it also quotes the peer's closed connection.
+EXPLAINING_ERRORS = ("DeadlockError", "PeerLeftError")
+
 _installed = False
 
 
@@ -69,6 +84,23 @@ def write_error_file(path: str, record: dict) -> bool:
         json.dump(record, fp)
     os.replace(tmp, path)
     return True
+
+
+def record_unraised(exc: BaseException, stack: str) -> bool:
+    """Write `exc` to ``TORCHELASTIC_ERROR_FILE`` (when set) as the cause of this worker's end, though it was
+    never raised: the main thread is stuck in C++ and another thread ends the process. `stack` is the main
+    thread's Python stack, shown as its traceback."""
+    path = os.environ.get(ERROR_FILE_VAR)
+    if not path:
+        return False
+    record = error_record(type(exc), exc, None)
+    record["message"]["extraInfo"]["py_callstack"] = (
+        f"Traceback of the main thread, which this error stopped (most recent call last):\n{stack}"
+        f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}\n")
+    try:
+        return write_error_file(path, record)
+    except OSError:
+        return False
 
 
 def _excepthook(previous):

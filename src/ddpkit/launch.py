@@ -35,6 +35,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+from .errors import EXPLAINING_ERRORS  # imports no torch: `ddpkit --help` stays fast
+
 # torch (and torchelastic) are imported inside the functions that start processes, so that `ddpkit --help`
 # and the plan's unit tests stay fast.
 
@@ -443,6 +445,7 @@ def _traceback(failure) -> str | None:
 # Words of an error raised because another rank had died first: a consequence, never the root cause.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "PeerFailedError", "Broken pipe",
               "remote process exited", "ProcessGroupNCCL is aborted")
+# (ddpkit's EXPLAINING_ERRORS, a deadlock or a rank that left early, quote those words but are the cause.)
 
 
 def root_cause(failures: Mapping[int, Any]) -> int:
@@ -462,7 +465,8 @@ def root_cause(failures: Mapping[int, Any]) -> int:
             when = os.stat(failure.error_file).st_mtime_ns / 1e9
         except (OSError, TypeError):
             when = float(failure.timestamp)
-        if trace is not None and not any(marker in trace for marker in _PEER_GONE):
+        explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
+        if trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
         elif trace is None and not stopped_by_agent:
             tier = 1  # died on its own: an exit code, or a signal the agent does not send

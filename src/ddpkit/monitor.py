@@ -2,19 +2,29 @@
 
 Every rank runs one daemon thread that, about once a second, writes into the job's store (torch's TCPStore,
 which every rank already shares) what this rank is doing: the collective it waits in (sequence number,
-operation, what it is for), the last one it finished, and the Python stack of its main thread. When this rank
-has waited in one collective longer than `threshold_s`, the thread reads every rank's entry and explains the
-stall: the ranks that never arrived and where they are, or ranks that wait in a different collective at the
-same position (an order mismatch: a barrier inside `if rank == 0:`, say). The explanation is printed at once and
-raised with the timeout error when the collective finally gives up.
+operation, what it is for), the last ones it issued and finished, and the Python stack of its main thread. The
+inspector is one observer of the rank's `ddpkit.Comm`, which tells it of every collective.
+
+While this rank waits, the thread reads every rank's state. A certain deadlock ends the job within seconds:
+every rank blocked, seen in the same wait twice, with different collectives at the same position (an order
+mismatch: an evaluation on rank 0 only, say), or a wait for a collective that a rank which already left the
+group never issued. The report names what each rank called and from which line; the main thread, stuck in C++,
+cannot raise it, so the thread records it as this worker's error (the launcher's root cause) and exits, which
+breaks the other ranks' collectives, and they raise it. A wait that is merely long (a rank sleeping or loading)
+is explained after `threshold_s` (who never arrived and where), again at each doubling of that, and raised with
+the timeout error when the collective finally gives up.
 
 A rank whose main thread dies with an exception posts its traceback; every other rank's thread sees it within
 a second, raises `PeerFailedError` in its main thread and, if that thread is stuck inside a collective, ends the
-process a few seconds later, so a crash never turns into a silent wait for the timeout.
+process a few seconds later, so a crash never turns into a silent wait for the timeout. A rank that leaves
+without an error (it returned, exited 0, or destroyed the group) posts that it left, and a collective that fails
+or can never finish because of it raises `PeerLeftError` naming it.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import ctypes
 import json
 import os
@@ -27,18 +37,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import PeerFailedError, StallError
+from . import diagnosis
+from .diagnosis import default_threshold
+from .errors import DeadlockError, PeerFailedError, PeerLeftError, StallError, record_unraised
 
 # How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
 # stack capture a second cost well under 0.1% of a step.
 POLL_S = 1.0
 # After telling the main thread that a peer failed, how long it may take to stop by itself before we end it.
 PEER_FAILURE_GRACE_S = 5.0
+# How many of its latest collectives a rank publishes: enough to see where two ranks' sequences part.
+ISSUED_KEPT = 16
 
-
-def default_threshold(timeout_s: float) -> float:
-    """The wait after which a collective is first explained when stall_seconds is not given."""
-    return min(timeout_s / 5, 300.0)
+__all__ = ["StallMonitor", "attach_stall_monitor", "default_threshold", "PeerFailedError", "StallError"]
 
 
 def attach_stall_monitor(comm: Any, timeout_s: float, stall_seconds: float | None = None,
@@ -79,23 +90,34 @@ class StallMonitor:
         self.exit_on_peer_failure = exit_on_peer_failure
         self.host = socket.gethostname()
         self.main_thread = threading.main_thread()
-        self.waiting: tuple[int, str, str, float] | None = None  # (seq, op, what, since)
+        self.waiting: tuple[int, str, str, float, int] | None = None  # (seq, op, what, since, wait number)
+        self.waits = 0  # waits entered so far: numbers each one, so a state can be matched to a wait
+        self.issued_recent: collections.deque = collections.deque(maxlen=ISSUED_KEPT)
         self.done_seq = 0
         self.done_what = ""
         self.diagnosis: tuple[int, str] | None = None  # (sequence number, explanation) of the current stall
-        self._explained_seq = -1
+        self.deadlock: str | None = None  # the report of a certain deadlock, once found
+        self._published = 0
+        self._explained = (0, 0)  # (wait number, how often that wait was explained)
+        self._previous: dict[int, dict[str, Any] | None] = {}  # every rank's state at the previous poll
+        self._failed = False  # this rank's main thread died of an exception (posted: it did not just leave)
+        self._closed = False
         self._stop = threading.Event()
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        # At interpreter exit, before torch's own handlers (atexit runs last-registered first): post that this
+        # rank left, and stop this thread before the store and the process group are torn down under it.
+        atexit.register(self._at_exit)
         self._thread = threading.Thread(target=self._run, name=f"ddpkit-stall-monitor-{rank}", daemon=True)
         self._thread.start()
 
     # -- the observer: called by Comm ---------------------------------------------------------------------------
     def issued(self, record: Any) -> None:
-        pass
+        self.issued_recent.append(record)
 
     def wait_began(self, record: Any) -> None:
-        self.waiting = (record.seq, record.op, record.what, time.monotonic())
+        self.waits += 1
+        self.waiting = (record.seq, record.op, record.what, time.monotonic(), self.waits)
 
     def wait_ended(self, record: Any, error: BaseException | None) -> BaseException | None:
         waiting, self.waiting = self.waiting, None
@@ -110,13 +132,43 @@ class StallMonitor:
             self.done_seq = record.seq
             self.done_what = f"{record.op} ({record.what})"
 
-    def close(self) -> None:
+    def close(self, how: str = "it called destroy_process_group") -> None:
+        """Stop the thread and post that this rank left (unless it failed, which it posted already)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         self.stop()
+        if not self._failed:
+            last = self.issued_recent[-1] if self.issued_recent else None
+            marker = {"rank": self.rank, "how": how, "seq": last.seq if last else 0,
+                      "what": f"{last.op} ({last.what})" if last else ""}
+            try:
+                self.store.set(f"{self.prefix}left/{self.rank}", json.dumps(marker))
+                self.store.add(f"{self.prefix}left", 1)
+            except Exception:  # noqa: BLE001 - the store left with rank 0: nobody is left to tell
+                pass
+
+    def _at_exit(self) -> None:
+        self.close("its process exited without an error")
 
     def _explain_failure(self, record: Any, error: BaseException, waited: float) -> BaseException | None:
-        """A stall's explanation in place of the timeout it ended with; None for any other failure."""
-        if not isinstance(error, (RuntimeError, dist.DistError)) or isinstance(error, (StallError, PeerFailedError)):
+        """What to raise instead of a failed wait: the deadlock report, the rank that left, or the stall's
+        explanation; None for any other failure."""
+        if not isinstance(error, (RuntimeError, dist.DistError)) or isinstance(error, (StallError, PeerFailedError,
+                                                                                         PeerLeftError)):
             return None
+        try:
+            report = self.deadlock or self._posted_deadlock()
+            left = {} if report else self._left_peers()
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            report, left = self.deadlock, {}
+        if report:
+            return DeadlockError(f"{report}\n(the collective failed with: {error})")
+        if left:
+            waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
+            return PeerLeftError("; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in left.values())
+                                 + f". {waits}.\n(the collective failed with: {error})")
         if waited < self.threshold_s and "timed out" not in str(error).lower():
             return None  # not a stall: a bad argument, or a peer that failed fast
         try:
@@ -141,85 +193,111 @@ class StallMonitor:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                self._publish()
-                failed = self._failed_peer()
-                if failed is not None:
-                    self._on_peer_failure(*failed)
+                if not self._poll():
                     return
-                waiting = self.waiting
-                if waiting is not None and waiting[0] != self._explained_seq \
-                        and time.monotonic() - waiting[3] > self.threshold_s:
-                    self._explained_seq = waiting[0]
-                    text = self.explain()
-                    self.diagnosis = (waiting[0], text)
-                    print(f"[ddpkit rank {self.rank}] {text}", file=sys.stderr, flush=True)
             except Exception:  # noqa: BLE001 - the store is gone with rank 0: the job is ending, and the
                 return  # monitor must never be what fails (nor retry into a flood of store warnings)
+
+    def _poll(self) -> bool:
+        """Publish, look for failed peers, certain deadlocks and stalls; False when the thread's work is done."""
+        mine = self._state()
+        self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(mine))
+        failed = self._failed_peer()
+        if failed is not None:
+            self._on_peer_failure(*failed)
+            return False
+        waiting = mine["waiting"]
+        if waiting is None:
+            self._previous = {}
+            return True
+        states = self._states()
+        states[self.rank] = mine
+        report = diagnosis.mismatch_deadlock(self._previous, states)
+        # One rank ends a mismatch, the others then raise it; a rank left behind by one that left ends itself.
+        kind, ender = DeadlockError, self.rank == max(states)
+        if report is None:
+            report, kind, ender = diagnosis.left_deadlock(mine, self._left_peers()), PeerLeftError, True
+        self._previous = states
+        if report is not None:
+            self._end_deadlock(kind(report), waiting, ender)
+            return False
+        wait_id = waiting["id"]
+        explained = self._explained[1] if self._explained[0] == wait_id else 0
+        if waiting["for_s"] > diagnosis.explanation_due(self.threshold_s, explained):
+            self._explained = (wait_id, explained + 1)
+            text = diagnosis.explain(self.rank, states)
+            self.diagnosis = (waiting["seq"], text)
+            print(f"[ddpkit rank {self.rank}] {text}", file=sys.stderr, flush=True)
+        return True
 
     def _state(self) -> dict[str, Any]:
         frame = sys._current_frames().get(self.main_thread.ident)
         stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else ""
         waiting = self.waiting
+        self._published += 1
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
+                "published": self._published,
                 "waiting": None if waiting is None else {"seq": waiting[0], "op": waiting[1], "what": waiting[2],
-                                                         "for_s": round(time.monotonic() - waiting[3], 1)},
-                "done_seq": self.done_seq, "done_what": self.done_what, "stack": stack}
+                                                         "for_s": round(time.monotonic() - waiting[3], 1),
+                                                         "id": waiting[4]},
+                "done_seq": self.done_seq, "done_what": self.done_what,
+                "issued": [[r.seq, r.op, r.what] for r in list(self.issued_recent)], "stack": stack}
 
-    def _publish(self) -> None:
-        self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(self._state()))
+    def _read(self, kind: str) -> dict[int, Any]:
+        """Every rank's posted `kind` (state, left), decoded; ranks that posted none are left out."""
+        keys = [f"{self.prefix}{kind}/{rank}" for rank in range(self.world_size)]
+        if self.store.check(keys):  # all there: one round trip
+            return {rank: json.loads(value) for rank, value in enumerate(self.store.multi_get(keys))}
+        return {rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys) if self.store.check([key])}
 
     def _states(self) -> dict[int, dict[str, Any] | None]:
-        found: dict[int, dict[str, Any] | None] = {}
-        for rank in range(self.world_size):
-            key = f"{self.prefix}state/{rank}"
-            found[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        return found
+        found = self._read("state")
+        return {rank: found.get(rank) for rank in range(self.world_size)}
+
+    def _left_peers(self) -> dict[int, dict[str, Any]]:
+        if self.store.add(f"{self.prefix}left", 0) == 0:
+            return {}
+        return {rank: marker for rank, marker in self._read("left").items() if rank != self.rank}
+
+    def _posted_deadlock(self) -> str | None:
+        key = f"{self.prefix}deadlock"
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     def explain(self) -> str:
         """What every rank is doing while this one waits: who never arrived, who called something else."""
         me = self._state()
-        mine = me["waiting"]
-        if mine is None:
+        if me["waiting"] is None:
             return "not waiting in any collective"
         states = self._states()
         states[self.rank] = me
-        lines = [f"rank {self.rank} has waited {mine['for_s']:.0f} s in collective #{mine['seq']} "
-                 f"{mine['op']} ({mine['what']})."]
-        absent, other = [], []
-        for rank, state in states.items():
-            if rank == self.rank:
-                continue
-            if state is None:
-                absent.append(rank)
-                lines.append(f"rank {rank} has not reported at all (it may not have started or may be hung "
-                             "outside Python)")
-                continue
-            theirs = state["waiting"]
-            if theirs is not None and theirs["seq"] == mine["seq"]:
-                if (theirs["op"], theirs["what"]) != (mine["op"], mine["what"]):
-                    other.append(rank)
-                    lines.append(f"ORDER MISMATCH: rank {rank} called {theirs['op']} ({theirs['what']}) as "
-                                 f"collective #{theirs['seq']} where rank {self.rank} called {mine['op']} "
-                                 f"({mine['what']})")
-                continue  # arrived at the same collective: not the culprit
-            if theirs is not None and theirs["seq"] > mine["seq"] or state["done_seq"] >= mine["seq"]:
-                other.append(rank)
-                where = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
-                    f"is past it (last finished #{state['done_seq']} {state['done_what']})"
-                lines.append(f"ORDER MISMATCH: rank {rank} {where}: it skipped collective #{mine['seq']} or "
-                             "called one more collective than this rank (a collective on some ranks only?)")
-                continue
-            absent.append(rank)
-            doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
-                f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
-            lines.append(f"rank {rank} (host {state['host']}, pid {state['pid']}) never arrived: it {doing}. "
-                         f"Its main thread is at:\n{_indent(state['stack'])}")
-        if absent:
-            lines.insert(1, f"ranks that never arrived: {absent}")
-        return "\n".join(lines)
+        return diagnosis.explain(self.rank, states)
+
+    def _end_deadlock(self, error: RuntimeError, waiting: dict[str, Any], ender: bool) -> None:
+        """End a certain deadlock: the ender records the report as its error and exits, which breaks every
+        other rank's collective; they raise the report (see `_explain_failure`) or, if still stuck after the
+        grace period, exit the same way."""
+        report = str(error)
+        self.deadlock = report
+        self.diagnosis = (waiting["seq"], report)
+        try:
+            self.store.set(f"{self.prefix}deadlock", report)
+        except Exception:  # noqa: BLE001 - the report is printed and recorded below all the same
+            pass
+        print(f"[ddpkit rank {self.rank}] {report}\n[ddpkit rank {self.rank}] no rank can progress: ending the "
+              "job now", file=sys.stderr, flush=True)
+        if not ender:
+            self.main_thread.join(PEER_FAILURE_GRACE_S)
+            if not self.main_thread.is_alive() or self.waiting is None or self.waiting[4] != waiting["id"]:
+                return
+        frame = sys._current_frames().get(self.main_thread.ident)
+        record_unraised(error, "".join(traceback.format_stack(frame)) if frame else "")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     # -- failures ------------------------------------------------------------------------------------------------
     def _excepthook(self, kind, value, tb) -> None:
+        self._failed = True
         if not issubclass(kind, (KeyboardInterrupt, PeerFailedError)):
             text = "".join(traceback.format_exception(kind, value, tb))
             try:

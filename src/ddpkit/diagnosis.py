@@ -1,0 +1,157 @@
+"""The stall inspector's reasoning, as pure functions of the states every rank publishes (see ddpkit.monitor).
+
+A published state is a dict: rank, host, pid, `published` (how many times this rank published), `waiting` (None,
+or the collective its main thread blocks in: seq, op, what, for_s, and `id`, which numbers its waits), done_seq
+and done_what (the last collective it finished), `issued` (its last few collectives: [seq, op, what]), stack (its
+main thread's Python stack). A rank that left the process group leaves a marker: rank, seq and what of the last
+collective it issued, and how it left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+State = dict[str, Any]
+
+# Records whose op and purpose say nothing comparable across ranks (a bare future waited for without a record).
+_UNCOMPARABLE_OPS = ("future",)
+
+
+def default_threshold(timeout_s: float) -> float:
+    """The wait after which a collective is first explained when stall_seconds is not given: soon enough to
+    be read while the job still waits (a minute), and well before the timeout of a short one."""
+    return min(timeout_s / 5, 60.0)
+
+
+def explanation_due(threshold_s: float, explained: int) -> float:
+    """How long a wait has lasted when it is explained for the (explained+1)-th time: at the threshold, then at
+    each doubling of it (60, 120, 240, ... s), so a long wait is explained again without flooding the log."""
+    return threshold_s * 2 ** explained
+
+
+def explanation_times(threshold_s: float, timeout_s: float) -> list[float]:
+    """Every wait length at which a collective that ends at `timeout_s` is explained."""
+    times, n = [], 0
+    while threshold_s > 0 and explanation_due(threshold_s, n) < timeout_s:
+        times.append(explanation_due(threshold_s, n))
+        n += 1
+    return times
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines())
+
+
+def _called(state: State) -> dict[int, tuple[str, str]]:
+    """seq -> (op, what) of the collectives a rank issued recently, and the one it waits in."""
+    calls = {seq: (op, what) for seq, op, what in state.get("issued") or ()}
+    waiting = state.get("waiting")
+    if waiting is not None:
+        calls[waiting["seq"]] = (waiting["op"], waiting["what"])
+    return {seq: call for seq, call in calls.items() if call[0] not in _UNCOMPARABLE_OPS}
+
+
+def explain(rank: int, states: dict[int, State | None]) -> str:
+    """What every rank is doing while `rank` waits (states[rank] is its own, fresh state): who never arrived,
+    who called something else."""
+    mine = states[rank]["waiting"]
+    if mine is None:
+        return "not waiting in any collective"
+    lines = [f"rank {rank} has waited {mine['for_s']:.0f} s in collective #{mine['seq']} "
+             f"{mine['op']} ({mine['what']})."]
+    absent = []
+    for other, state in states.items():
+        if other == rank:
+            continue
+        if state is None:
+            absent.append(other)
+            lines.append(f"rank {other} has not reported at all (it may not have started or may be hung "
+                         "outside Python)")
+            continue
+        theirs = state["waiting"]
+        if theirs is not None and theirs["seq"] == mine["seq"]:
+            if (theirs["op"], theirs["what"]) != (mine["op"], mine["what"]):
+                lines.append(f"ORDER MISMATCH: rank {other} called {theirs['op']} ({theirs['what']}) as "
+                             f"collective #{theirs['seq']} where rank {rank} called {mine['op']} ({mine['what']})")
+            continue  # arrived at the same collective: not the culprit
+        if theirs is not None and theirs["seq"] > mine["seq"] or state["done_seq"] >= mine["seq"]:
+            where = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
+                f"is past it (last finished #{state['done_seq']} {state['done_what']})"
+            lines.append(f"ORDER MISMATCH: rank {other} {where}: it skipped collective #{mine['seq']} or "
+                         "called one more collective than this rank (a collective on some ranks only?)")
+            continue
+        absent.append(other)
+        doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
+            f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
+        lines.append(f"rank {other} (host {state['host']}, pid {state['pid']}) never arrived: it {doing}. "
+                     f"Its main thread is at:\n{_indent(state['stack'])}")
+    if absent:
+        lines.insert(1, f"ranks that never arrived: {absent}")
+    return "\n".join(lines)
+
+
+def _blocked_since_before(previous: State | None, current: State | None) -> bool:
+    """True when `current` was published after the rank entered the wait it shows, and so was `previous`: the
+    rank was in that same wait at two publications, the later one fresh (not a state left over from before)."""
+    if previous is None or current is None or current["waiting"] is None or previous["waiting"] is None:
+        return False
+    return previous["waiting"]["id"] == current["waiting"]["id"] and current["published"] > previous["published"]
+
+
+def _conflict(states: dict[int, State]) -> tuple[int, int, int] | None:
+    """(seq, rank a, rank b): the first position at which two ranks issued different collectives."""
+    calls = {rank: _called(state) for rank, state in states.items()}
+    first = None
+    ranks = sorted(calls)
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1:]:
+            for seq in sorted(calls[a].keys() & calls[b].keys()):
+                if calls[a][seq] != calls[b][seq]:
+                    if first is None or seq < first[0]:
+                        first = (seq, a, b)
+                    break
+    return first
+
+
+def _where(state: State) -> str:
+    waiting = state["waiting"]
+    return (f"rank {state['rank']} (host {state['host']}, pid {state['pid']}) waits in collective "
+            f"#{waiting['seq']} {waiting['op']} ({waiting['what']}), called from:\n{_indent(state['stack'])}")
+
+
+def mismatch_deadlock(previous: dict[int, State | None], current: dict[int, State | None]) -> str | None:
+    """The report of a certain deadlock, or None: every rank blocked in a collective (each seen in the same wait
+    on two publications), and two ranks that issued different collectives at the same position, which can then
+    never pair up. Anything less (a stale state, a slow rank, all in the same collective) is not certain."""
+    if not current or not all(_blocked_since_before(previous.get(r), s) for r, s in current.items()):
+        return None
+    found = _conflict(current)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    seq, a, b = found
+    call_a, call_b = _called(current[a])[seq], _called(current[b])[seq]
+    lines = [f"DEADLOCK: every rank is blocked in a collective and they can never pair up. ORDER MISMATCH at "
+             f"collective #{seq}: rank {a} called {call_a[0]} ({call_a[1]}) where rank {b} called "
+             f"{call_b[0]} ({call_b[1]}) (a collective called on some ranks only, or in a different order).",
+             *(_where(current[r]) for r in sorted(current))]  # type: ignore[index]
+    return "\n".join(lines)
+
+
+def left_deadlock(mine: State, left: dict[int, dict[str, Any]]) -> str | None:
+    """The report of a certain deadlock, or None: this rank waits in a collective numbered past the last one a
+    rank that left the process group ever issued, so that rank will never join it."""
+    waiting = mine["waiting"]
+    gone = sorted(r for r, marker in left.items() if waiting is not None and marker["seq"] < waiting["seq"])
+    if not gone:
+        return None
+    lines = [f"{left_early(left[r])}: the root cause. Rank {mine['rank']} waits for it in collective "
+             f"#{waiting['seq']} {waiting['op']} ({waiting['what']}), which rank {r} never joined (a certain "
+             "deadlock)." for r in gone]
+    lines.append(_where(mine))
+    return "\n".join(lines)
+
+
+def left_early(marker: dict[str, Any]) -> str:
+    """'rank 1 left the job early (...) after collective #12 all_reduce (logged loss)'."""
+    after = f"after collective #{marker['seq']} {marker['what']}" if marker["seq"] else "before any collective"
+    return f"rank {marker['rank']} left the job early ({marker['how']}) {after}"
