@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn import run_world
 from torch import nn
 
+from conftest import run_world
 from ddpkit.args import TrainingArguments
 from ddpkit.trainer import Trainer, write_loss_curve
 
