@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import clean_env, free_port
+from conftest import clean_env, free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
 

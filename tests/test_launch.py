@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,42 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import clean_env, free_port, reap
 from ddpkit import cli, errors, launch
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch"]
 DEADLINE_S = 120
-# Variables a surrounding launcher (or CI under SLURM) may have set; every launch here starts without them.
-FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
-                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
-                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def reap(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """Stop a launcher the way a user would (SIGTERM, which it forwards), then SIGKILL its session."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def start(cmd, env=None, **kw) -> subprocess.Popen:

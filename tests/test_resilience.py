@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import clean_env
 from ddpkit.checkpoint import checkpoint_step, list_checkpoints
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
@@ -35,19 +36,14 @@ LAUNCH = [sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2"]
 MAX_STEPS = 24  # the script's default; every run here trains (or resumes) to it
 DEADLINE_S = 90  # one launch; an uninterrupted one takes about 8 s on two busy cores
 GRACE_S = 20.0  # --shutdown-timeout of the SIGTERM run: far above the ~1 s a stop and a checkpoint take
-# Variables a surrounding launcher (or CI under SLURM) may have set; every launch here starts without them.
-FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
-                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
-                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
 
 
 class Launch:
     """A launcher in its own session; its merged output collected by a thread, so waiting has a deadline."""
 
     def __init__(self, argv: list[str]):
-        env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
         self.argv = argv
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self.proc = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
         self.eof = False

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn import run_world
 from torch import nn
+
+from conftest import run_world
 
 from ddpkit import integrity
 from ddpkit.checkpoint import write_json
@@ -375,12 +376,13 @@ def test_every_kind_of_model_output_trains(model_cls, trainer_cls, bf16, tmp_pat
 
 
 def test_logs_state_metrics_and_loss_curve(tmp_path, local_world):
-    import struct
-    import zlib
+    import matplotlib.image
+
+    from ddpkit.report import loss_curve_figure
 
     torch.manual_seed(0)
     args = _args(tmp_path, max_steps=9, logging_steps=2, per_device_train_batch_size=4, eval_strategy="steps",
-                 eval_steps=3, save_strategy="steps", save_steps=2, save_total_limit=2)
+                 eval_steps=3, save_strategy="steps", save_steps=2, save_total_limit=2, lr_scheduler_type="linear")
     trainer = Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1),
                       compute_metrics=accuracy)
     trainer.train()
@@ -397,13 +399,43 @@ def test_logs_state_metrics_and_loss_curve(tmp_path, local_world):
     # save_total_limit=2 keeps the newest two; the final step (9) is saved too.
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-8",
                                                                                       "checkpoint-9"]
-    png = (tmp_path / "loss_curve.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", png[16:24])
-    idat = png.index(b"IDAT")
-    size = struct.unpack(">I", png[idat - 4:idat])[0]
-    assert len(zlib.decompress(png[idat + 4:idat + 4 + size])) == height * (1 + 3 * width)
-    write_loss_curve(str(tmp_path / "one.png"), [(1, 2.0)])  # a single point draws too
+    # The picture: loss (training and evaluation), the evaluation metrics, the learning rate, against the step.
+    height, width, _ = matplotlib.image.imread(tmp_path / "loss_curve.png").shape
+    assert (width, height) == (800, 880)  # 8 x 8.8 inches at 100 dpi: three panels
+    loss_ax, metric_ax, lr_ax = loss_curve_figure(state["log_history"]).axes
+    legend = {ax: [t.get_text() for t in ax.get_legend().get_texts()] for ax in (loss_ax, metric_ax, lr_ax)}
+    assert legend == {loss_ax: ["training loss", "evaluation loss"], metric_ax: ["accuracy", "n"],
+                      lr_ax: ["learning rate"]}
+    assert [ax.get_ylabel() for ax in (loss_ax, metric_ax, lr_ax)] == ["loss", "evaluation metric", "learning rate"]
+    assert lr_ax.get_xlabel() == "step"
+    train_line, eval_line = loss_ax.get_lines()
+    assert list(train_line.get_xdata()) == [2, 4, 6, 8, 9]  # the final summary's mean train_loss is no point
+    assert list(train_line.get_ydata()) == [e["loss"] for e in train_logs]
+    assert list(eval_line.get_xdata()) == [3, 6, 9]
+    (lr_line,) = lr_ax.get_lines()
+    assert list(lr_line.get_ydata()) == [e["learning_rate"] for e in train_logs]
+    assert lr_line.get_ydata()[0] > lr_line.get_ydata()[-1]  # the linear decay
+
+
+def test_without_matplotlib_one_line_says_how_to_get_the_plot(tmp_path, local_world, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    trainer = Trainer(Classifier().double(), _args(tmp_path, max_steps=2), classification_data(8))
+    assert trainer.train().global_step == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if "matplotlib" in line] == [
+        "ddpkit: loss_curve.png not drawn: it needs matplotlib (pip install 'ddpkit[examples]', or pip install "
+        "matplotlib)"]
+    assert not (tmp_path / "loss_curve.png").exists()
+    assert (tmp_path / "trainer_state.json").exists() and (tmp_path / "metrics.jsonl").exists()
+    assert write_loss_curve(str(tmp_path / "one.png"), [{"loss": 2.0, "step": 1}]) is False
+
+
+def test_a_single_logged_step_draws(tmp_path):
+    assert write_loss_curve(str(tmp_path / "one.png"), [{"loss": 2.0, "learning_rate": 0.1, "step": 1,
+                                                         "epoch": 0.5}])
+    assert (tmp_path / "one.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_trainer_errors_name_the_problem(tmp_path, local_world):

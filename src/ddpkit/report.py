@@ -4,7 +4,7 @@
     reporter.open()                                  # TensorBoard's writer, when asked for and installed
     reporter.write(entry)                            # one log_history entry (with "step" and "epoch")
     bar = reporter.progress_bar(total=100, initial=0, disabled=False)
-    reporter.close(log_history)                      # the loss curve; TensorBoard's files flushed
+    reporter.close(log_history)                      # loss_curve.png (with matplotlib); TensorBoard flushed
 
 Only rank 0 writes anything; on other ranks every call is a no-op, so the Trainer calls them on every rank.
 """
@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
+import sys
 import time
 import warnings
-import zlib
 from typing import Any
 
-import numpy as np
 import torch
 
 METRICS_FILE = "metrics.jsonl"
@@ -75,9 +73,8 @@ class Reporter:
             self._tb_writer.close()
             self._tb_writer = None
         if self.is_main:
-            points = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
-            if points:
-                write_loss_curve(os.path.join(self.output_dir, LOSS_CURVE_FILE), points)
+            if any("loss" in e for e in log_history):
+                write_loss_curve(os.path.join(self.output_dir, LOSS_CURVE_FILE), log_history)
 
 
 class Progress:
@@ -137,69 +134,64 @@ class Clock:
         return self.steps / max(self.elapsed(), 1e-9)
 
 
-# -- the loss curve: a PNG without plotting libraries -----------------------------------------------------------------
-# matplotlib would add ~50 MB of dependencies for one picture; a line plot needs only zlib and a tiny font.
-
-_GLYPHS = {  # 3x5 pixels, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
-    "+": "000010111010000", "e": "000111111100111",
-}
+# -- the loss curve -------------------------------------------------------------------------------------------------
+# Log entries that are bookkeeping, not a quantity to plot against the step.
+_NOT_PLOTTED = ("epoch", "step", "grad_norm", "samples_per_second")
+_NOT_PLOTTED_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
+MATPLOTLIB_MISSING = (f"ddpkit: {LOSS_CURVE_FILE} not drawn: it needs matplotlib "
+                      "(pip install 'ddpkit[examples]', or pip install matplotlib)")
 
 
-def write_png(path: str, pixels: np.ndarray) -> None:
-    """An RGB uint8 array (height, width, 3) as a PNG file."""
-    height, width, _ = pixels.shape
-    raw = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))  # filter type 0 on every row
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits per channel, truecolour
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-                + chunk(b"IEND", b""))
-
-
-def _text(img: np.ndarray, x: int, y: int, text: str, scale: int = 2) -> None:
-    for ch in text:
-        glyph = _GLYPHS.get(ch)
-        if glyph is not None:
-            for i, bit in enumerate(glyph):
-                if bit == "1":
-                    gy, gx = y + (i // 3) * scale, x + (i % 3) * scale
-                    img[max(gy, 0):gy + scale, max(gx, 0):gx + scale] = 0
-        x += 4 * scale
+def curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) series of the log: "loss", "learning_rate", "eval_loss" and every evaluation metric."""
+    found: dict[str, list[tuple[int, float]]] = {}
+    for entry in log_history:
+        if "train_runtime" in entry:
+            continue  # the final summary: its train_loss is the run's mean, not a point of the curve
+        for key, value in entry.items():
+            if (key in _NOT_PLOTTED or key.endswith(_NOT_PLOTTED_SUFFIXES) or isinstance(value, bool)
+                    or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                continue
+            found.setdefault(key, []).append((int(entry["step"]), float(value)))
+    return found
 
 
-def write_loss_curve(path: str, points: list[tuple[int, float]], width: int = 640, height: int = 400) -> None:
-    """A line plot of loss against step, with the axis ranges written at the corners."""
-    img = np.full((height, width, 3), 255, dtype=np.uint8)
-    left, right, top, bottom = 70, width - 20, 20, height - 40
-    steps = np.array([p[0] for p in points], dtype=np.float64)
-    losses = np.array([p[1] for p in points], dtype=np.float64)
-    lo, hi = float(np.nanmin(losses)), float(np.nanmax(losses))
-    hi = hi if hi > lo else lo + 1.0
-    s0, s1 = float(steps.min()), float(steps.max())
-    s1 = s1 if s1 > s0 else s0 + 1.0
-    xs = left + (steps - s0) / (s1 - s0) * (right - left)
-    ys = bottom - (losses - lo) / (hi - lo) * (bottom - top)
-    img[top:bottom + 1, left] = img[bottom, left:right + 1] = (120, 120, 120)  # axes
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-        for t in np.linspace(0.0, 1.0, n + 1):
-            x, y = round(x0 + t * (x1 - x0)), round(y0 + t * (y1 - y0))
-            img[max(y - 1, 0):y + 1, max(x - 1, 0):x + 1] = (31, 119, 180)
-    if len(xs) == 1:
-        img[int(ys[0]) - 2:int(ys[0]) + 3, int(xs[0]) - 2:int(xs[0]) + 3] = (31, 119, 180)
-    _text(img, 4, top, f"{hi:.3g}")
-    _text(img, 4, bottom - 10, f"{lo:.3g}")
-    _text(img, left, bottom + 10, f"{int(s0)}")
-    label = f"{int(s1)}"
-    _text(img, right - 8 * len(label), bottom + 10, label)
-    write_png(path, img)
+def loss_curve_figure(log_history: list[dict[str, Any]]):
+    """A matplotlib Figure against the optimizer step: the training and evaluation loss; the evaluation metrics
+    (when there are any); the learning rate. Raises ImportError without matplotlib."""
+    from matplotlib.figure import Figure
+
+    series = curves(log_history)
+    metrics = sorted(k for k in series if k.startswith("eval_") and k != "eval_loss")
+    panels = [("loss", [("loss", "training loss", "-"), ("eval_loss", "evaluation loss", "o-")])]
+    if metrics:
+        panels.append(("evaluation metric", [(k, k.removeprefix("eval_"), "s-") for k in metrics]))
+    panels.append(("learning rate", [("learning_rate", "learning rate", "-")]))
+    fig = Figure(figsize=(8, 2.2 + 2.2 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (ylabel, lines) in zip(axes, panels):
+        for key, label, style in lines:
+            if key in series:
+                ax.plot(*zip(*series[key]), style, label=label, markersize=4)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best")
+    axes[0].set_title("training run by optimizer step")
+    axes[-1].set_xlabel("step")
+    return fig
 
 
+def write_loss_curve(path: str, log_history: list[dict[str, Any]]) -> bool:
+    """Draw `loss_curve_figure` into `path` (a PNG); without matplotlib, one line says how to get it (False)."""
+    try:
+        fig = loss_curve_figure(log_history)
+    except ImportError:
+        print(MATPLOTLIB_MISSING, file=sys.stderr, flush=True)
+        return False
+    fig.savefig(path, dpi=100)
+    return True
 
-__all__ = ["LOSS_CURVE_FILE", "METRICS_FILE", "Clock", "Progress", "Reporter", "write_loss_curve", "write_png"]
+
+__all__ = ["LOSS_CURVE_FILE", "METRICS_FILE", "Clock", "Progress", "Reporter", "curves", "loss_curve_figure",
+           "write_loss_curve"]
