@@ -106,6 +106,14 @@ def sparse_embedding():
     ddpkit.DistributedDataParallel(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True)))
 
 
+def frozen_module():
+    ddpkit.DistributedDataParallel(models.MLP().requires_grad_(False))
+
+
+def lazy_module():
+    ddpkit.DistributedDataParallel(torch.nn.LazyLinear(4))
+
+
 def dataset_smaller_than_world_with_drop_last():
     ddpkit.DistributedSampler(list(range(3)), num_replicas=4, rank=0, drop_last=True)
 
@@ -130,7 +138,9 @@ CATALOGUE = [
     ("output_dir that cannot be written", unwritable_output_dir, ddpkit.ArgumentError,
      r"output_dir.*is a file, not a folder"),
     ("device_ids for a CPU model", device_ids_for_a_cpu_model, ValueError, r"leave device_ids=None"),
-    ("sparse gradients", sparse_embedding, ValueError, r"'0' produces sparse gradients.*sparse=False"),
+    ("sparse gradients", sparse_embedding, NotImplementedError, r"'0' produces sparse gradients.*sparse=False"),
+    ("no parameter requires a gradient", frozen_module, RuntimeError, r"at least one parameter that requires"),
+    ("a lazy module not yet run", lazy_module, RuntimeError, r"'weight' is not initialised.*forward pass"),
     ("data set smaller than the world (drop_last)", dataset_smaller_than_world_with_drop_last, ValueError,
      r"empty shard.*drop_last=False"),
 ]

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from conftest import clean_env, free_port
 
@@ -42,3 +43,105 @@ def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
     assert ours[0]["params"] == ours[1]["params"], "replicas differ"
     for mine, reference in zip(ours[0]["params"], theirs[0]["params"]):
         assert max(abs(a - b) for a, b in zip(mine, reference)) < 1e-6
+
+
+# -- torch's contract beyond the training loop: pickling, ignored parameters, buffers at init, torch's hooks -------
+def drop_in_world(world):
+    import copy
+    import io
+
+    import torch
+
+    import ddpkit
+    import models
+
+    r, n = world.rank, world.world_size
+    out = {}
+
+    def step(ddp, ref, seed):
+        x, y = models.batch("mlp", 4 * n, seed=seed)
+        for p in [*ddp.parameters(), *ref.parameters()]:
+            p.grad = None
+        models.loss("mlp", ddp, x[4 * r:4 * r + 4], y[4 * r:4 * r + 4], r, 0).backward()
+        (sum(models.loss("mlp", ref, x[4 * k:4 * k + 4], y[4 * k:4 * k + 4], k, 0) for k in range(n)) / n).backward()
+        return max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.module.parameters(), ref.parameters()))
+
+    # torch.save of the whole wrapper, loaded back: a fresh reducer on the default group that trains as before.
+    torch.manual_seed(0)
+    model = models.MLP()
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    step(ddp, ref, seed=1)
+    buffer = io.BytesIO()
+    torch.save(ddp, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    out["loaded type"] = type(loaded).__name__
+    out["fresh reducer"] = loaded.reducer is not None and loaded.reducer is not ddp.reducer
+    out["loaded settings"] = (loaded.bucket_cap_mb, loaded.forward_sync_buffers, loaded.require_backward_grad_sync)
+    out["loaded errors"] = [step(loaded, ref, seed=2 + k) for k in range(3)]  # its own gradients, averaged
+    out["loaded buckets"] = len(loaded.bucket_plan)
+    out["deepcopy error"] = step(copy.deepcopy(loaded), ref, seed=9)
+    try:
+        torch.save(ddpkit.DistributedDataParallel(models.MLP(), process_group=dist.new_group([0, 1])), io.BytesIO())
+        out["other group"] = "saved"
+    except RuntimeError as exc:
+        out["other group"] = str(exc)
+
+    # torch's ignore list: the named parameter and buffer are neither reduced nor broadcast.
+    torch.manual_seed(1 + r)  # every rank another model: what init broadcasts shows
+    model = models.ConvBN()
+    with torch.no_grad():
+        model.bn1.running_mean.fill_(float(r))
+    ddpkit.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["head.bias", "bn1.running_mean"])
+    ddp = ddpkit.DistributedDataParallel(model)
+    out["ignored bias"] = model.head.bias.tolist()
+    out["kept weight"] = model.head.weight.tolist()
+    out["ignored buffer"] = model.bn1.running_mean.tolist()
+    out["ignored in plan"] = any("head.bias" in bucket for bucket in ddp.bucket_plan)
+
+    # Buffers at construction: broadcast_buffers=False keeps them out, forward_sync_buffers=False does not.
+    for label, kwargs in (("broadcast_buffers=False", {"broadcast_buffers": False}),
+                          ("forward_sync_buffers=False", {"forward_sync_buffers": False})):
+        model = models.ConvBN()
+        with torch.no_grad():
+            model.bn1.running_var.fill_(float(r + 1))
+        ddp = ddpkit.DistributedDataParallel(model, **kwargs)
+        out[label] = (model.bn1.running_var[0].item(), ddp.will_sync_module_buffers())
+    out["will sync by default"] = ddpkit.DistributedDataParallel(models.ConvBN()).will_sync_module_buffers()
+
+    # torch's built-in comm hook, logging data.
+    torch.manual_seed(2)
+    model = models.MLP()
+    ref = copy.deepcopy(model)
+    ddp = ddpkit.DistributedDataParallel(model)
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    out["fp16 hook error"] = max(step(ddp, ref, seed=20 + k) for k in range(2))
+    data = ddp._get_ddp_logging_data()
+    out["logging"] = {k: data[k] for k in ("world_size", "rank", "backend_name", "iteration", "comm_hook")}
+    out["bucket sizes"] = data["bucket_sizes"]
+    out["join group is the world"] = ddp.join_process_group is dist.distributed_c10d._get_default_group()
+    return out
+
+
+def test_pickle_ignore_list_buffers_at_init_and_torch_hooks():
+    from spawn import run_world
+
+    a, b = run_world(drop_in_world, 2)
+    assert a["loaded type"] == "DistributedDataParallel" and a["fresh reducer"]
+    assert a["loaded settings"] == (0.002, True, True)
+    assert all(err <= 1e-6 for err in a["loaded errors"] + b["loaded errors"]), (a["loaded errors"], b["loaded errors"])
+    assert a["loaded buckets"] > 1 and a["deepcopy error"] <= 1e-6
+    assert "default process group" in a["other group"], a["other group"]
+    assert a["kept weight"] == b["kept weight"], "a parameter not on the ignore list was not broadcast"
+    assert a["ignored bias"] != b["ignored bias"], "an ignored parameter was broadcast"
+    assert a["ignored buffer"] != b["ignored buffer"], "an ignored buffer was broadcast"
+    assert not a["ignored in plan"]
+    assert (a["broadcast_buffers=False"], b["broadcast_buffers=False"]) == ((1.0, False), (2.0, False))
+    assert (a["forward_sync_buffers=False"], b["forward_sync_buffers=False"]) == ((1.0, False), (1.0, False))
+    assert a["will sync by default"] is True
+    assert 0 < a["fp16 hook error"] <= 1e-2  # rounded to half precision: changed, but only a little
+    assert a["logging"] == {"world_size": 2, "rank": 0, "backend_name": "gloo", "iteration": 2,
+                            "comm_hook": "_compress_hook.<locals>.hook"}
+    assert a["bucket sizes"] and a["join group is the world"]

@@ -358,10 +358,12 @@ def test_meaningless_arguments_fail_clearly():
     with pytest.raises(ValueError, match="output_device"):
         ddpkit.DistributedDataParallel(models.MLP(), output_device=0)
     frozen = models.MLP().requires_grad_(False)
-    with pytest.raises(ValueError, match="requires a gradient"):
+    with pytest.raises(RuntimeError, match="requires a gradient"):  # torch's type for the same misuse
         ddpkit.DistributedDataParallel(frozen)
-    with pytest.raises(TypeError, match="mixed_precision"):
+    with pytest.raises(NotImplementedError, match="mixed_precision"):  # torch's argument, not ddpkit's
         ddpkit.DistributedDataParallel(models.MLP(), mixed_precision=object())
+    with pytest.raises(TypeError, match="bogus"):  # an argument neither wrapper has: Python's TypeError
+        ddpkit.DistributedDataParallel(models.MLP(), bogus=1)
 
 
 def test_world_of_one_is_a_thin_wrapper():

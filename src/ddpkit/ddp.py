@@ -28,76 +28,124 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import ddp_checks as checks
 from .comm import Comm
-from .reducer import DEFAULT_BUCKET_CAP_MB, CommHook, Reducer
+from .ddp_surface import TorchSurface, install_refusals
+from .reducer import CommHook, Reducer
 
 
-class DistributedDataParallel(TorchDDP):
+class DistributedDataParallel(TorchSurface, TorchDDP):
     """Replicates `module` on every rank and averages its gradients during backward.
 
-    The arguments are torch's, with the same meanings and defaults; `check_reduction` and `static_graph` are
-    accepted for compatibility and change nothing (unused parameters and reentrant checkpointing are always
-    handled; see the module docstring).
+    The arguments are torch's, in torch's order, with the same meanings and defaults; `check_reduction`,
+    `static_graph`, `batched_grad_copy` and `skip_all_reduce_unused_params` are accepted for compatibility and
+    change nothing (unused parameters and reentrant checkpointing are always handled, small gradients are always
+    copied into their bucket together; see the module docstring). `delay_all_reduce_named_params`,
+    `param_to_hook_all_reduce`, `mixed_precision` and `bucket_cap_mb_list` raise NotImplementedError.
 
     It subclasses torch's wrapper only so that code which asks `isinstance(model, DistributedDataParallel)`
     (accelerate's and the Transformers Trainer's unwrapping, torch.distributed.checkpoint) treats it as one;
-    none of torch's engine runs: its constructor is skipped and every method that matters is ours.
+    none of torch's engine runs: its constructor is skipped and every torch method is ours, refused with a
+    clear error, or one that needs none of torch's fields (see ddp_surface).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool | None = True, process_group: dist.ProcessGroup | None = None,
-                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, init_sync: bool = True, **unsupported: Any):
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None):
         nn.Module.__init__(self)  # not torch's constructor: its reducer is exactly what we replace
-        if unsupported:
-            raise TypeError(f"ddpkit's DistributedDataParallel does not support {sorted(unsupported)}; "
-                            "drop them or use torch.nn.parallel.DistributedDataParallel")
+        # The checks come in torch's order, so that a module with several problems gets torch's first error.
+        process_group = checks.process_group_of(process_group, device_mesh)
+        checks.refuse_torch_only(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                                 bucket_cap_mb_list)
+        self.parameters_to_ignore = checks.names_to_ignore(module)
+        named = checks.trainable_parameters(module, self.parameters_to_ignore)
+        self.device_ids, self.output_device = checks.devices(named, device_ids, output_device)
         self.module = module
-        self.device_ids, self.output_device = _check_devices(module, device_ids, output_device)
         self.dim = dim
-        self._broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.forward_sync_buffers, sync_buffers_at_init = checks.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
+        checks.warn_check_reduction(check_reduction)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb}")
+        self.bucket_cap_mb = checks.bucket_cap(bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * 1024 * 1024)  # torch's name; torch.compile reads it
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires "
-                             "a gradient; this one has none, so there is nothing to synchronise")
-        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
-        if sparse:
-            raise ValueError(f"module {sparse[0]!r} produces sparse gradients, which ddpkit's buckets do not hold; "
-                             "construct it with sparse=False (dense gradients are all-reduced in buckets)")
-        self._comm = Comm.for_group(process_group)
         self.process_group = process_group
-        self._buffers_to_sync = [b for b in module.buffers()] if self._broadcast_buffers else []
-        if self._comm.distributed:
-            _check_same_model(module, self._comm)
-            if init_sync:
-                self._comm.broadcast_tensors([p.detach() for p in module.parameters()]
-                                             + list(module.buffers()), src=0, what="init parameters and buffers")
+        self._build_engine(init_sync, sync_buffers_at_init)
+
+    def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return checks.trainable_parameters(self.module, self.parameters_to_ignore)
+
+    def _build_engine(self, init_sync: bool, sync_buffers_at_init: bool) -> None:
+        """Everything tied to the process group: built at construction and again when unpickled (with
+        init_sync=False then: loading must not need the other ranks, as with torch's wrapper)."""
+        self._comm = Comm.for_group(self.process_group)
+        self.forward_sync_buffers = self.forward_sync_buffers  # lists the buffers to broadcast
         self.reducer: Reducer | None = None
-        if self._comm.distributed:
-            self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
-                                   gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
-            self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
-            self._reached: set[int] = set()
-            self._reached_window = -1
+        if not self._comm.distributed:
+            return
+        if init_sync:
+            checks.check_same_model(self.module, self._comm, self.parameters_to_ignore)
+            ignore = self.parameters_to_ignore
+            tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
+            if sync_buffers_at_init:
+                tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
+            self._comm.broadcast_tensors(tensors, src=0, what="init parameters and buffers")
+        named = self._named_trainable()
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
+                               self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+        self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
+        self._reached: set[int] = set()
+        self._reached_window = -1
+
+    # -- torch's attributes ----------------------------------------------------------------------------------------
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether buffers come from rank 0 at each training forward (torch 2.13's name; settable)."""
+        return self._forward_sync_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self._forward_sync_buffers = bool(value)
+        ignore = self.parameters_to_ignore
+        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in ignore] if value else []
 
     @property
     def broadcast_buffers(self) -> bool:
-        return self._broadcast_buffers
+        """torch's deprecated name for forward_sync_buffers."""
+        return self.forward_sync_buffers
 
-    def __getstate__(self):
-        raise TypeError("a DistributedDataParallel wrapper cannot be pickled (it holds a process group); "
-                        "pickle or save `model.module` instead")
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    # -- pickling, torch.save, copy.deepcopy: torch's contract ------------------------------------------------------
+    _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_window",
+                     "_buffers_to_sync")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module and the settings; the process group and the reducer are rebuilt by __setstate__."""
+        self._check_default_group()
+        return {k: v for k, v in self.__dict__.items() if k not in self._ENGINE_STATE}
+
+    def _check_default_group(self) -> None:
+        if self.process_group is not None and self.process_group is not _default_group():
+            raise RuntimeError("a DistributedDataParallel wrapper can be pickled only over the default process "
+                               "group (process_group=None); pickle or save `model.module` instead")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild on the default process group (a world of one without any), without a collective."""
+        nn.Module.__setstate__(self, state)
+        self.process_group = None
+        self._build_engine(init_sync=False, sync_buffers_at_init=False)
 
     # -- the forward skeleton ------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -105,6 +153,24 @@ class DistributedDataParallel(TorchDDP):
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             output = self.module(*inputs, **kwargs)
             return self._post_forward(output)
+
+    @contextlib.contextmanager
+    @torch._disable_dynamo(recursive=False)
+    def _inside_ddp_forward(self) -> Iterator[None]:
+        """While the wrapped module runs, torch's class names this wrapper as the active DDP module: Dynamo reads
+        it (and its bucket_bytes_cap) when it compiles a frame, and then lets its DDPOptimizer split the graph at
+        bucket boundaries, so that a compiled backward is several autograd nodes and buckets launch between
+        them. The attribute lives on torch's class because that is where Dynamo looks; nesting restores it."""
+        previous = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
+            yield
+        finally:
+            TorchDDP._active_ddp_module = previous
+
+    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with self._inside_ddp_forward():
+            return self.module(*inputs, **kwargs)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
@@ -188,10 +254,6 @@ class DistributedDataParallel(TorchDDP):
             return
         self.reducer.register_comm_hook(state, hook)
 
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts rank 0's buffers (torch's name and meaning)."""
-        return self.reducer is not None and self.require_forward_param_sync and bool(self._buffers_to_sync)
-
     def _set_static_graph(self) -> None:
         """Accepted for compatibility (accelerate calls it): ddpkit learns the graph in the first iteration."""
         self.static_graph = True
@@ -244,63 +306,10 @@ def _move_to(obj: Any, device: torch.device) -> Any:
                           spec)
 
 
-def _check_devices(module: nn.Module, device_ids, output_device):
-    devices = {p.device for p in module.parameters()}
-    if device_ids is None:
-        if output_device is not None:
-            raise ValueError("output_device is only meaningful together with device_ids")
-        return None, None
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids must hold exactly one device (this process's), got {device_ids}; "
-                         "ddpkit runs one process per device")
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(f"device_ids={device_ids} is only for a module on one CUDA device, but this module's "
-                         f"parameters are on {sorted(map(str, devices))}; leave device_ids=None for CPU or "
-                         "multi-device modules")
-    wanted = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-    index = wanted.index
-    (device,) = devices
-    if device.index != index:
-        raise ValueError(f"device_ids={device_ids} but the module is on {device}; move it with "
-                         f"module.to('cuda:{index}') or pass device_ids=[{device.index}]")
-    if output_device is None:
-        return [index], index
-    return [index], torch.device("cuda", output_device).index if isinstance(output_device, int) \
-        else torch.device(output_device).index
+def _default_group() -> dist.ProcessGroup | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_group()
 
 
-def _signature(module: nn.Module) -> list[tuple]:
-    params = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-    buffers = [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-    return params + buffers
-
-
-def _check_same_model(module: nn.Module, comm: Comm) -> None:
-    """Fail on every rank, with the same message, when any rank's model differs from rank 0's."""
-    mine = _signature(module)
-    every = comm.all_gather_object(mine, what="model check")
-    reference = every[0]
-    for rank, other in enumerate(every[1:], start=1):
-        problem = _first_difference(reference, other)
-        if problem is not None:
-            raise RuntimeError(f"the model on rank {rank} differs from rank 0's: {problem}. Every rank must build "
-                               "the same model (same layers, shapes, dtypes and requires_grad) before wrapping it")
-
-
-def _first_difference(reference: list[tuple], other: list[tuple]) -> str | None:
-    for position, (a, b) in enumerate(zip(reference, other)):
-        if a != b:
-            return f"entry {position} is {_describe(b)} there but {_describe(a)} on rank 0"
-    if len(reference) != len(other):
-        longer, which = (reference, "rank 0") if len(reference) > len(other) else (other, "it")
-        extra = longer[min(len(reference), len(other))]
-        return (f"{len(other)} parameters and buffers there, {len(reference)} on rank 0; the first extra one "
-                f"({which}) is {_describe(extra)}")
-    return None
-
-
-def _describe(entry: tuple) -> str:
-    kind, name, shape, dtype, *rest = entry
-    grad = "" if not rest else (", requires_grad" if rest[0] else ", frozen")
-    return f"{kind} '{name}' {list(shape)} {dtype.replace('torch.', '')}{grad}"
-
+install_refusals(DistributedDataParallel)

@@ -1,0 +1,166 @@
+"""The rest of torch's DistributedDataParallel surface, on ddpkit's fields.
+
+ddpkit's wrapper subclasses torch's without running torch's constructor, so any torch method it inherited
+would run on an object without torch's fields and fail confusingly. Every method and property torch's class
+defines beyond nn.Module's is therefore either implemented here or in ddp.py, refused with a NotImplementedError
+that names ddpkit and what to use instead (REFUSED), or inherited on purpose because it needs none of torch's
+fields (INHERITED). tests/test_ddp_surface.py walks torch's class and fails on any name in none of the three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from . import hooks
+
+# torch's own methods that read no field of torch's wrapper: they work on ours as they are.
+INHERITED = frozenset({
+    "_active_ddp_module",  # the class attribute Dynamo reads; ddpkit sets it on torch's class (ddp.py)
+    "scatter", "gather",  # torch's scatter/gather helpers on self.dim
+    "_get_parameters",  # a generator over a module's parameters
+    "_get_data_parallel_params", "_set_params_and_buffers_to_ignore_for_model",  # static, on a plain module
+})  # and torch's override of nn.Module.train, which only returns self
+
+_ENGINE = "ddpkit's own reducer does this work, and nothing needs to call it"
+_JOIN = ("it is part of torch's join() machinery; ddpkit does not support uneven inputs yet: give every rank "
+         "the same number of batches (ddpkit.DistributedSampler does)")
+_OPTIM = "ddpkit's reducer knows no optimizer: call optimizer.step() after backward"
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(("_register_accum_grad_hook", "_fire_reducer_autograd_hook", "_ddp_init_helper",
+                     "_build_params_for_reducer", "_assign_modules_buffers", "_build_debug_param_to_name_mapping",
+                     "_clear_grad_buffer", "_lazy_init", "_distributed_broadcast_coalesced",
+                     "_default_broadcast_coalesced", "_check_sync_bufs_pre_fwd", "_check_sync_bufs_post_fwd",
+                     "_sync_buffers", "_sync_module_buffers", "_find_common_rank", "_check_comm_hook",
+                     "_passing_sync_batchnorm_handle"), _ENGINE),
+    **dict.fromkeys(("_check_global_requires_backward_grad_sync", "_check_and_sync_module_buffers",
+                     "_sync_final_model", "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce"),
+                    _JOIN),
+    **dict.fromkeys(("_register_fused_optim", "_setup_in_backward_optimizers"), _OPTIM),
+    **dict.fromkeys(("_delayed_all_reduce_hook", "_register_delay_all_reduce_hook"),
+                    "delayed all-reduce (delay_all_reduce_named_params) is not supported"),
+    **dict.fromkeys(("_root_copy_hook", "_module_wait_for_copy_hook"),
+                    "DDP-native mixed precision is not supported: use torch.autocast around the forward"),
+    "_register_buffer_comm_hook": "buffers are broadcast from rank 0 at each training forward; "
+                                  "forward_sync_buffers=False turns that off",
+    "_remove_autograd_hooks": "train `model.module` without the wrapper instead",
+    "_set_sparse_metadata": "sparse gradients are refused at construction",
+    "_update_process_group": "build a new DistributedDataParallel over the new process group",
+}
+
+
+def _refusal(name: str, instead: str):
+    def refused(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(f"DistributedDataParallel.{name} is torch's, and ddpkit's wrapper does not "
+                                  f"provide it: {instead}")
+
+    refused.__name__ = name
+    refused.__qualname__ = f"DistributedDataParallel.{name}"
+    refused.ddpkit_refused = True
+    return refused
+
+
+def install_refusals(cls: type) -> None:
+    """Give `cls` a refusing method for every name in REFUSED that it does not implement itself."""
+    for name, instead in REFUSED.items():
+        if name not in cls.__dict__:
+            setattr(cls, name, _refusal(name, instead))
+
+
+class TorchSurface:
+    """Implementations of torch's smaller methods; DistributedDataParallel inherits them before torch's."""
+
+    # -- Joinable ------------------------------------------------------------------------------------------------
+    def join_hook(self, **kwargs: Any):
+        raise NotImplementedError("ddpkit's DistributedDataParallel does not provide a join hook yet, so it cannot "
+                                  "take part in torch.distributed.algorithms.join.Join; give every rank the same "
+                                  "number of batches (ddpkit.DistributedSampler does)")
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup | None:
+        """The group the gradients are reduced over (None without any process group)."""
+        return self._comm.pg
+
+    # -- small torch APIs ------------------------------------------------------------------------------------------
+    @property
+    def _distributed_rank(self) -> int:
+        return self._comm.rank
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next training forward broadcasts the module's buffers from rank 0 (torch's rule)."""
+        return self.reducer is not None and bool(self.require_forward_param_sync) and bool(self._buffers_to_sync)
+
+    def _log_and_throw(self, err_type: type[BaseException], err_msg: str):
+        raise err_type(err_msg)
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last backward pass did not finish its reduction (it raised half-way, say)."""
+        if self.reducer is not None and self.reducer.armed:
+            raise RuntimeError("the last backward pass through DistributedDataParallel did not finish reducing "
+                               "its gradients (it raised before its end?); run a complete backward pass")
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Accepted for compatibility; ddpkit records no runtime statistics, so the rate changes nothing."""
+        if sample_rate < 1:
+            raise ValueError(f"the runtime logging sample rate must be at least 1, got {sample_rate}")
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Accepted for compatibility: ddpkit never copies the forward's outputs, so there is nothing to turn off."""
+        self._ddp_sink_clone = bool(val)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's two built-in hooks, mapped to ddpkit's Python ones (same averages)."""
+        builtin = {dist.BuiltinCommHookType.ALLREDUCE: hooks.allreduce_hook,
+                   dist.BuiltinCommHookType.FP16_COMPRESS: hooks.fp16_compress_hook}
+        if comm_hook_type not in builtin:
+            raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}; torch has ALLREDUCE and FP16_COMPRESS")
+        self.register_comm_hook(None, builtin[comm_hook_type])
+
+    @classmethod
+    def _get_active_ddp_module(cls):
+        """The wrapper whose forward is running, for Dynamo's DDPOptimizer (see ddp.py's _inside_ddp_forward)."""
+        return TorchDDP._active_ddp_module
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict, device_id: int):
+        from torch.distributed.utils import _to_kwargs
+
+        device_type = next(self.module.parameters()).device.type
+        return _to_kwargs(inputs, kwargs, torch.device(device_type, device_id), False)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's keys where ddpkit has the same fact (strings and integers, as torch's), plus ddpkit's own."""
+        params = [p for _, p in self._named_trainable()]
+        reducer = self.reducer
+        buckets = [] if reducer is None else [sum(params[i].numel() * params[i].element_size() for i in members)
+                                              for members in (b.members for b in reducer.buckets)]
+        return {
+            "module_name": type(self.module).__name__,
+            "backend_name": self._comm.backend,
+            "world_size": self._comm.world_size,
+            "rank": self._comm.rank,
+            "device_ids": "" if self.device_ids is None else ",".join(map(str, self.device_ids)),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.module.modules())),
+            "is_multi_device_module": int(len({p.device for p in params}) > 1),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+            "bucket_sizes": ", ".join(map(str, buckets)),
+            "iteration": 0 if reducer is None else reducer.windows,
+            "comm_hook": "" if reducer is None or reducer.comm_hook is None else
+            getattr(reducer.comm_hook, "__qualname__", repr(reducer.comm_hook)),
+            "ddpkit": 1,
+        }
+
