@@ -202,7 +202,19 @@ def reductions(world):
                     out["errors"].append((f"{key} bucket {bucket.index} param {piece.param}", exact))
                     covered += piece.stop - piece.start
                 out["errors"].append((f"{key} padding", bool((shard[covered:] == 0).all())))
-    out["usage"] = [rec.what for rec in comm.log if rec.what.startswith("parameter usage")]
+    out["usage"] = [rec.what for rec in comm.log if rec.what.startswith("parameter usage")]  # (the log keeps 64)
+    # A gradient large enough to be divided in its hook, made with create_graph=True (it requires grad itself).
+    torch.manual_seed(1)
+    big = torch.nn.Linear(256, 200)
+    twin = copy.deepcopy(big)
+    for model, create_graph in ((big, False), (twin, True)):
+        Reducer(list(model.parameters()), ["weight", "bias"], comm)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(3, 256, generator=torch.Generator().manual_seed(10 * step + r))
+            model(x).pow(2).sum().backward(create_graph=create_graph)
+    out["errors"].append(("create_graph", all(torch.equal(p.grad, q.grad.detach())
+                                              for p, q in zip(big.parameters(), twin.parameters()))))
     out["storage"] = [(b.storage.numel(), b.layout.numel) for b in reducers["allreduce"].buckets]
     out["seen"] = seen
     out["rank"] = r

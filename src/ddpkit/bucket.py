@@ -206,8 +206,9 @@ class Bucket:
         view, grad = self.views[position], self.params[position].grad
         if grad.data_ptr() == view.data_ptr():
             return False  # accumulated in place (gradient_as_bucket_view): divided at launch, when all is in
-        # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing.
-        torch.div(grad, divisor, out=view)
+        with torch.no_grad():  # a gradient of create_graph=True requires grad itself
+            # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing.
+            torch.div(grad, divisor, out=view)
         return True
 
     def fill(self, filled: list[bool], divisor: float | None) -> None:

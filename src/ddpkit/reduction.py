@@ -30,7 +30,7 @@ OnShard = Callable[[Bucket, torch.Tensor, "list[bool] | None"], None]
 
 
 class Reduction:
-    """The all-reduce that DDP uses, and the interface every reduction has (see the module docstring)."""
+    """The interface every reduction has (see the module docstring); `wait` is shared."""
 
     shards = 1
     divides = True
@@ -39,20 +39,27 @@ class Reduction:
         self.comm = comm
 
     def start(self, bucket: Bucket, what: str) -> Any:
-        return self.comm.all_reduce(bucket.storage, what, async_op=True)
+        raise NotImplementedError
 
     def wait(self, bucket: Bucket, handle: Any) -> torch.Tensor | None:
         self.comm.wait(handle)
         return None
 
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
+        raise NotImplementedError
+
+
+class AllReduce(Reduction):
+    """DDP's reduction: the divided bucket summed in place on every rank, then copied into the .grad."""
+
+    def start(self, bucket: Bucket, what: str) -> Any:
+        return self.comm.all_reduce(bucket.storage, what, async_op=True)
+
+    def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
         bucket.copy_to_grads(everywhere_used)
 
 
-AllReduce = Reduction
-
-
-class CommHookReduction(Reduction):
+class CommHookReduction(AllReduce):
     """`hook(state, GradBucket) -> Future[Tensor]` reduces each bucket (torch's register_comm_hook contract): it
     gets the undivided local sums and returns the average."""
 
@@ -79,7 +86,7 @@ class CommHookReduction(Reduction):
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
         if result is not None and result is not bucket.flat:
             bucket.flat.copy_(result)
-        bucket.copy_to_grads(everywhere_used)
+        super().finish(bucket, result, everywhere_used)
 
 
 class ReduceScatter(Reduction):
