@@ -224,14 +224,14 @@ def test_a_command_line_error_is_one_line_printed_by_rank_zero_only(capsys, monk
 
 
 def test_under_the_launcher_a_bad_flag_is_reported_once(tmp_path):
-    import re
     import subprocess
     import sys
     from pathlib import Path
 
+    from conftest import clean_env
+
     script = Path(__file__).parent.parent / "examples" / "train_digits.py"
-    foreign = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|PET_.*)$")
-    env = {k: v for k, v in os.environ.items() if not foreign.match(k)}
+    env = clean_env()
     done = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", str(script),
                            "--output_dir", str(tmp_path), "--max_steps", "0"], env=env, capture_output=True,
                           text=True, timeout=120)

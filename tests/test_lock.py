@@ -13,14 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import clean_env
 
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
 from ddpkit.lock import LOCK_FILE, OutputDirBusy, OutputDirLock
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
-FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
-                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
-                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
 
 
 def _write_owner(folder: Path, **owner) -> None:
@@ -63,17 +61,13 @@ def test_a_recycled_pid_an_empty_file_and_another_host(tmp_path):
         pass
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
-
-
 def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
     out = tmp_path / "run"
     # A long first run, stopped with SIGTERM once the second one has been turned away.
     first = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", SCRIPT,
                               "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "0.2",
                               "--save_strategy", "steps", "--save_steps", "2"],
-                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(first.stdout), daemon=True)
@@ -84,8 +78,8 @@ def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
             assert first.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.1)
         second = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "1", SCRIPT,
-                                 "--output_dir", str(out), "--max_steps", "4"], env=_env(), capture_output=True,
-                                text=True, timeout=90)
+                                 "--output_dir", str(out), "--max_steps", "4"], env=clean_env(),
+                                capture_output=True, text=True, timeout=90)
         assert first.poll() is None, "".join(lines)
         first.send_signal(15)
         first.wait(60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,18 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import clean_env
+
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
-FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
-                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
-                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
-    env.update(extra)
-    return env
 
 
 def _children(pid: int) -> list[int]:
@@ -53,8 +45,8 @@ def test_workers_stop_with_a_checkpoint_when_the_launcher_is_killed(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--log-dir",
                                  str(tmp_path / "logs"), SCRIPT, "--output_dir", str(out), "--max_steps", "400",
                                  "--sleep_per_step", "0.2"],
-                                env=_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                env=clean_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()

@@ -16,22 +16,20 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import clean_env
+
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "scripts" / "train_resilient.py")
-FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
-                          r"MASTER_PORT|TORCHELASTIC_.*|SLURM_.*|PET_.*|OMPI_.*|PMI_.*|OMP_NUM_THREADS|"
-                          r"GLOO_SOCKET_IFNAME|ACCELERATE_.*)$")
 
 
 class Job:
     """A launcher in its own session, its merged output read by a thread."""
 
     def __init__(self, *argv: str):
-        env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
         self.proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", *argv],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
