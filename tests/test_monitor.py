@@ -372,3 +372,35 @@ def test_a_long_wait_is_explained_at_growing_intervals_then_times_out(capfd):
     assert len(printed) == 4, printed  # at 1, 2, 4 and 8 s (16 s is past the timeout)
     for seen, due in zip(printed, (1, 2, 4, 8), strict=True):
         assert due <= seen <= due + 2, printed  # polled once a second: at most a poll late
+
+
+def test_the_interpreter_exits_cleanly_while_the_inspector_polls():
+    """The abort at exit after a worker had finished (issue 9): the inspector's daemon thread, inside a store
+    call when the interpreter finalized. It polls here as fast as it can, so that the old code aborted in about
+    half of the runs; six clean exits in a row."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "exit_while_polling.py")
+    for _ in range(6):
+        done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr
+
+
+def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a_closed_connection(tmp_path):
+    import types
+
+    from ddpkit import launch
+
+    def failure(rank, trace, when):
+        path = tmp_path / f"{rank}.json"
+        path.write_text("{}")
+        os.utime(path, ns=(when, when))
+        data = {"message": {"message": "E", "extraInfo": {"py_callstack": trace, "timestamp": "5"}}}
+        return types.SimpleNamespace(local_rank=rank, pid=rank, exitcode=1, timestamp=5, error_file=str(path),
+                                     error_file_data=data)
+
+    quoted = "ddpkit.errors.PeerLeftError: rank 2 left the job early ...\n(the collective failed with: " \
+             "Connection reset by peer)"
+    failures = {0: failure(0, "RuntimeError: Connection reset by peer", 1_000), 1: failure(1, quoted, 2_000)}
+    assert launch.root_cause(failures) == 1
+    failures[1] = failure(1, "RuntimeError: Connection reset by peer", 2_000)  # no explanation: the earliest
+    assert launch.root_cause(failures) == 0

@@ -379,7 +379,8 @@ def init_process_group(backend: str | None = None, timeout: float | None = None,
     """
     world = env.init_process_group(backend, timeout, device_type, join_timeout=join_timeout)
     if world.world_size > 1 and stall_seconds != 0:
-        # The one place that names the inspector: it composes the world (torch's Trainer imports it from here);
+        # The one place in this module that names the inspector: this function composes the world (the Trainer
+        # imports it from here), imported here rather than at the top so that importing comm never loads it;
         # the Comm class itself knows only observers.
         from .monitor import attach_stall_monitor
 

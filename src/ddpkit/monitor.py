@@ -46,6 +46,12 @@ from .errors import DeadlockError, PeerFailedError, PeerLeftError, StallError, r
 POLL_S = 1.0
 # After telling the main thread that a peer failed, how long it may take to stop by itself before we end it.
 PEER_FAILURE_GRACE_S = 5.0
+# How long stop() waits for the thread to finish its poll. A daemon thread still inside a store call (C++, the
+# GIL released) when the interpreter finalizes is killed as it takes the GIL back, by an unwinding that C++
+# cannot pass: "terminate called without an active exception", SIGABRT, after the script had finished. Every
+# store call the thread makes is short (a round trip), and it makes none once stopped; this bound only keeps a
+# store that stopped answering from holding up the exit for ever.
+STOP_JOIN_S = 10.0
 # How many of its latest collectives a rank publishes: enough to see where two ranks' sequences part.
 ISSUED_KEPT = 16
 
@@ -183,11 +189,13 @@ class StallMonitor:
         return found[1] if found is not None and found[0] == seq else None
 
     def stop(self) -> None:
+        """Stop the thread and wait until it has: it must never be inside a store call when the interpreter
+        exits (see STOP_JOIN_S)."""
         self._stop.set()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.poll_s)
+            self._thread.join(timeout=STOP_JOIN_S)
 
     # -- the thread ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -202,14 +210,16 @@ class StallMonitor:
         """Publish, look for failed peers, certain deadlocks and stalls; False when the thread's work is done."""
         mine = self._state()
         self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(mine))
+        if self._stop.is_set():
+            return False
         failed = self._failed_peer()
         if failed is not None:
             self._on_peer_failure(*failed)
             return False
         waiting = mine["waiting"]
-        if waiting is None:
+        if waiting is None or self._stop.is_set():
             self._previous = {}
-            return True
+            return not self._stop.is_set()
         states = self._states()
         states[self.rank] = mine
         report = diagnosis.mismatch_deadlock(self._previous, states)
@@ -286,9 +296,8 @@ class StallMonitor:
         print(f"[ddpkit rank {self.rank}] {report}\n[ddpkit rank {self.rank}] no rank can progress: ending the "
               "job now", file=sys.stderr, flush=True)
         if not ender:
-            self.main_thread.join(PEER_FAILURE_GRACE_S)
-            if not self.main_thread.is_alive() or self.waiting is None or self.waiting[4] != waiting["id"]:
-                return
+            if self._stop.wait(PEER_FAILURE_GRACE_S) or self.waiting is None or self.waiting[4] != waiting["id"]:
+                return  # the collective broke and the main thread raised the report
         frame = sys._current_frames().get(self.main_thread.ident)
         record_unraised(error, "".join(traceback.format_stack(frame)) if frame else "")
         sys.stdout.flush()
@@ -322,8 +331,8 @@ class StallMonitor:
         if not self.exit_on_peer_failure:
             return
         _raise_in_thread(self.main_thread, PeerFailedError)
-        while True:
-            self.main_thread.join(PEER_FAILURE_GRACE_S)
+        # Wait on our own stop event, not on the main thread: at exit, close() must find this thread gone.
+        while not self._stop.wait(PEER_FAILURE_GRACE_S):
             if not self.main_thread.is_alive():
                 return
             if self.waiting is not None:  # stuck in a collective that would only end at the timeout
