@@ -13,7 +13,8 @@ torchelastic's own; ddpkit adds, in this order below:
   1. the plan: flags resolved into one `LaunchPlan` (pure; unit-tested without processes);
   2. a single node by default, its store on a free loopback port, a fresh one for every restart
      (`_loopback_rendezvous`);
-  3. output: each worker's stdout and stderr merged into one file per rank, tailed live with a rank prefix;
+  3. output: each worker's stdout and stderr merged into one file per rank, forwarded live with a rank prefix
+     (ddpkit.console), a progress bar's carriage returns included, so that it redraws in place in a terminal;
   4. the summary: the root cause first, with its traceback (recorded by `ddpkit.errors` in the worker), the
      signal that killed a worker by name, and the tail of its output when no traceback was recorded.
 Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every worker, which then
@@ -38,8 +39,6 @@ from typing import Any, Callable
 # torch (and torchelastic) are imported inside the functions that start processes, so that `ddpkit --help`
 # and the plan's unit tests stay fast.
 
-# The prefix on every console line of a worker; ${rank} is the global rank.
-LINE_PREFIX_TEMPLATE = "[rank${rank}]: "
 SIGNALS_FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # Lines of a failed worker's output shown when it left no traceback (killed, os._exit, failed before ddpkit).
 OUTPUT_TAIL_LINES = 20
@@ -330,8 +329,8 @@ def _rendezvous_handler(plan: LaunchPlan):
     return registry.get_rendezvous_handler(params)
 
 
-def _rank_logs(log_dir: str | None):
-    """torchelastic LogsSpecs: per rank, one file with stdout and stderr, tailed to the console; error files."""
+def _rank_logs(log_dir: str | None, tail):
+    """torchelastic LogsSpecs: per rank, one file with stdout and stderr, followed by `tail`; error files."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
     class RankLogs(LogsSpecs):
@@ -355,10 +354,12 @@ def _rank_logs(log_dir: str | None):
                 if os.path.exists(error_file):  # from an earlier run in the same --log-dir: not ours
                     os.remove(error_file)
                 env["TORCHELASTIC_ERROR_FILE"] = error_file
-                dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = stem + ".log"
+                # Not torchelastic's tee, which forwards whole lines only: our tail forwards a bar's redraws.
+                dest.stdouts[local_rank] = stem + ".log"
                 dest.stderrs[local_rank] = ""  # merged into stdout by the worker's wrapper
                 dest.error_files[local_rank] = error_file
                 self.files[rank] = stem + ".log"
+                tail.follow(rank, stem + ".log")
             return dest
 
         def cleanup(self) -> None:
@@ -379,11 +380,19 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import SignalException
 
+    from .console import PREFIX, Console, Tail
+    from .env import CONSOLE_COLUMNS_VAR
+
     # Workers inherit the launcher's environment (torchelastic copies os.environ into each); the process
     # context reads the signals to forward from here.
     os.environ.update(plan.worker_env)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = SIGNALS_FORWARDED
-    logs = _rank_logs(plan.log_dir)
+    console = Console(sys.stdout)
+    if console.terminal and CONSOLE_COLUMNS_VAR not in os.environ:
+        # What is left of the row after the prefix: a bar that fits redraws in place, one that wrapped could not.
+        os.environ[CONSOLE_COLUMNS_VAR] = str(max(20, console.columns - len(PREFIX.format(rank=0)) - 2))
+    tail = Tail(console)
+    logs = _rank_logs(plan.log_dir, tail)
     handler = None
     shutdown_rdzv = True
     try:
@@ -396,15 +405,16 @@ def run(plan: LaunchPlan) -> int:
                           max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval,
                           master_addr=master_addr, master_port=master_port, local_addr=plan.local_addr)
         agent = LocalElasticAgent(spec, logs_specs=logs, start_method="spawn",
-                                  log_line_prefix_template=LINE_PREFIX_TEMPLATE,
                                   shutdown_timeout=plan.shutdown_timeout)
         result = agent.run()
+        tail.stop()  # every line of the workers first, then the summary
         if result is not None and result.is_failed():
             print(failure_summary(result.failures, logs.files, logs.root_log_dir if not logs.owned else None),
                   file=sys.stderr, flush=True)
             return 1
         return 0
     except SignalException as exc:
+        tail.stop()
         # torchelastic has already forwarded the signal and waited out the grace period. Leave the
         # rendezvous of a multi-node job open: its other nodes may still re-form it.
         shutdown_rdzv = plan.rdzv_backend == "loopback"
@@ -412,6 +422,7 @@ def run(plan: LaunchPlan) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     finally:
+        tail.stop()  # again, harmless: for an error that escaped the agent
         if handler is not None and shutdown_rdzv:
             handler.shutdown()
         logs.cleanup()

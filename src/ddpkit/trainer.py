@@ -223,7 +223,7 @@ class Trainer:
             loss = run.logged(sum_over_ranks(self.comm, run.tr_loss, "logged loss")[0], step)
             self.log({"loss": loss, "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
                       "samples_per_second": run.clock.lap()})
-        run.show(self.state.last_logged("loss"))
+        run.show(self.state.last_logged("loss"), logged=step == run.logged_at)
 
     def _next_window(self, batches) -> Window:
         """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
