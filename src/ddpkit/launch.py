@@ -61,8 +61,9 @@ def _rank_logs(log_dir: str | None, tail):
                 rank, attempt = int(env["RANK"]), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 stem = os.path.join(self.root_log_dir, f"rank{rank}" + (f".restart{attempt}" if attempt else ""))
                 error_file = stem + ".error.json"
-                if os.path.exists(error_file):  # from an earlier run in the same --log-dir: not ours
-                    os.remove(error_file)
+                for stale in (error_file, stem + ".log"):  # from an earlier run in the same --log-dir: not ours
+                    if os.path.exists(stale):  # (the tail below must not forward the old output)
+                        os.remove(stale)
                 env["TORCHELASTIC_ERROR_FILE"] = error_file
                 # Not torchelastic's tee, which forwards whole lines only: our tail forwards a bar's redraws.
                 dest.stdouts[local_rank] = stem + ".log"
