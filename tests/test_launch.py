@@ -19,12 +19,13 @@ import subprocess
 import sys
 import time
 import types
+import unittest.mock
 from pathlib import Path
 
 import pytest
 
 from conftest import clean_env, free_port, reap
-from ddpkit import cli, errors, launch
+from ddpkit import cli, errors, launch, launch_plan, summary
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch"]
@@ -73,14 +74,34 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def plan(*argv: str, **environ: str) -> launch.LaunchPlan:
-    return launch.plan_launch(parse(*argv), environ)
+    """The plan of `ddpkit launch argv` in `environ`. torchrun's parser reads PET_* when it is built (not when
+    the plan is made), so they are in os.environ while it parses."""
+    pet = {k: v for k, v in environ.items() if k.startswith("PET_")}
+    with unittest.mock.patch.dict(os.environ, pet):
+        args = parse(*argv)
+    return launch.plan_launch(args, environ)
+
+
+def test_torchruns_own_flags_are_refused_with_the_reason(capsys):
+    with pytest.raises(ValueError, match="--tee is torchrun's and not ddpkit launch's: every rank's output already"):
+        plan("--tee", "3", "t.py")
+    with pytest.raises(ValueError, match="--local-ranks-filter"):
+        plan("t.py", PET_LOCAL_RANKS_FILTER="0")
+    p = plan("--start-method", "fork", "--signals-to-handle", "SIGTERM,SIGUSR1", "--shutdown-timeout", "7", "t.py")
+    assert (p.start_method, p.signals, p.shutdown_timeout) == ("fork", "SIGTERM,SIGUSR1", 7.0)
+    assert plan("t.py", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="12").shutdown_timeout == 12.0  # as torchrun
+    assert plan("t.py").shutdown_timeout == 30.0
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])  # torchrun's flags, with ddpkit's meaning where it has its own
+    shown = capsys.readouterr().out
+    assert "--rdzv-endpoint" in shown and "--start-method" in shown and "LOG_DIR/rank<R>.log" in shown
 
 
 def test_one_node_by_default_on_loopback_with_torchrun_environment():
     p = plan("--nproc-per-node", "2", "train.py", "--lr", "3", "--nproc-per-node", "9")
     assert p.rdzv_backend == "loopback" and p.min_nodes == p.max_nodes == 1 and p.nproc_per_node == 2
     assert p.command == (sys.executable, "-u", "train.py", "--lr", "3", "--nproc-per-node", "9")  # script's own
-    assert p.worker_env["OMP_NUM_THREADS"] == str(max(1, launch.cpu_cores() // 2))
+    assert p.worker_env["OMP_NUM_THREADS"] == str(max(1, launch_plan.cpu_cores() // 2))
     assert p.worker_env.get("GLOO_SOCKET_IFNAME", "lo") == "lo"
     assert plan("--standalone", "--nnodes", "3", "t.py").rdzv_backend == "loopback"
     assert plan("t.py", OMP_NUM_THREADS="7").worker_env.get("OMP_NUM_THREADS") is None  # the user's value stays
@@ -95,7 +116,7 @@ def test_static_and_c10d_rendezvous_follow_torchrun():
     p = plan("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "j7",
              "--rdzv-conf", "is_host=1,join_timeout=5", "t.py")
     assert (p.min_nodes, p.max_nodes, p.rdzv_backend, p.run_id) == (1, 4, "c10d", "j7")
-    assert p.rdzv_configs == {"is_host": "1", "join_timeout": "5", "timeout": launch.RDZV_TIMEOUT_S}
+    assert p.rdzv_configs == {"is_host": "1", "join_timeout": "5", "timeout": launch_plan.RDZV_TIMEOUT_S}
     with pytest.raises(ValueError, match="node-rank"):
         plan("--nnodes", "2", "--node-rank", "2", "t.py")
     with pytest.raises(ValueError, match="fixed --nnodes"):
@@ -110,13 +131,13 @@ def test_pet_variables_stand_in_for_flags_and_flags_win():
 
 
 def test_nproc_auto_entrypoint_kinds_and_bad_input():
-    assert launch.resolve_nproc("auto", gpus=0, cores=6) == 6
-    assert launch.resolve_nproc("auto", gpus=4, cores=64) == 4
-    assert launch.resolve_nproc("cpu", gpus=4, cores=64) == 64
+    assert launch_plan.resolve_nproc("auto", gpus=0, cores=6) == 6
+    assert launch_plan.resolve_nproc("auto", gpus=4, cores=64) == 4
+    assert launch_plan.resolve_nproc("cpu", gpus=4, cores=64) == 64
     with pytest.raises(ValueError, match="no GPU"):
-        launch.resolve_nproc("gpu", gpus=0, cores=2)
+        launch_plan.resolve_nproc("gpu", gpus=0, cores=2)
     with pytest.raises(ValueError):
-        launch.resolve_nproc("many", gpus=0, cores=2)
+        launch_plan.resolve_nproc("many", gpus=0, cores=2)
     assert plan("-m", "pkg.train", "x").command == (sys.executable, "-u", "-m", "pkg.train", "x")
     assert plan("--no-python", "./run.sh", "x").command == ("./run.sh", "x")
     with pytest.raises(ValueError, match="exclude"):
@@ -143,7 +164,7 @@ def test_excepthook_writes_torchelastic_error_file(tmp_path, monkeypatch):
     assert seen and seen[0][0] is KeyError  # the previous hook still prints the traceback
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))  # torchelastic's reader
     assert failure.message["message"] == "KeyError: 'missing'"
-    assert "raise KeyError" in launch._traceback(failure)
+    assert "raise KeyError" in summary._traceback(failure)
     assert not errors.write_error_file(str(path), {"other": 1})  # @record's file (the same error) is kept
 
 
@@ -160,15 +181,15 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     # rank 0 raised only because rank 2 died first (a later file); rank 1 was stopped by the agent
     failures = {0: failure(0, 1, "Peer failed", when=2_000), 1: failure(1, -15),
                 2: failure(2, 1, "ValueError: x", when=1_000)}
-    assert launch.root_cause(failures) == 2
-    text = launch.failure_summary(failures)
+    assert summary.root_cause(failures) == 2
+    text = summary.failure_summary(failures)
     assert "root cause: rank 2" in text and "ValueError: x" in text and "rank 1 killed by SIGTERM" in text
     # no traceback anywhere: the worker that died on its own beats the ones the agent stopped
     out = tmp_path / "rank1.log"
     out.write_text("".join(f"line {i}\n" for i in range(50)))
     failures = {0: failure(0, -15), 1: failure(1, -9), 2: failure(2, -11)}
-    assert launch.root_cause(failures) == 2
-    text = launch.failure_summary({0: failure(0, -15), 1: failure(1, 3)}, {1: str(out)})
+    assert summary.root_cause(failures) == 2
+    text = summary.failure_summary({0: failure(0, -15), 1: failure(1, 3)}, {1: str(out)})
     assert "root cause: rank 1" in text and "exited with code 3" in text and "line 49" in text
     assert "line 29" not in text  # only the tail
     # torchelastic's "<NONE>" for a worker without an error file is no traceback: its output tail is shown,
@@ -176,8 +197,8 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     killed = failure(0, -9)
     killed.error_file, killed.error_file_data = str(tmp_path / "missing.json"), {"message": "<NONE>"}
     consequence = failure(1, -15, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1", when=500)
-    assert launch.root_cause({0: killed, 1: consequence}) == 0
-    text = launch.failure_summary({0: killed, 1: consequence}, {0: str(out)})
+    assert summary.root_cause({0: killed, 1: consequence}) == 0
+    text = summary.failure_summary({0: killed, 1: consequence}, {0: str(out)})
     assert "root cause: rank 0" in text and "<NONE>" not in text and "line 49" in text
 
 
@@ -251,7 +272,7 @@ def test_ddpkit_launch_gives_torchrun_environment_prefixed_output_and_rank_files
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["TORCHELASTIC_RUN_ID"] == envs[0]["TORCHELASTIC_RUN_ID"]
         assert env["TORCHELASTIC_ERROR_FILE"] == str(root / "logs" / f"rank{rank}.error.json")
-        assert env["OMP_NUM_THREADS"] == str(max(1, launch.cpu_cores() // 2))
+        assert env["OMP_NUM_THREADS"] == str(max(1, launch_plan.cpu_cores() // 2))
         assert env["store_listen"] == ["0100007F"]  # the store listens on 127.0.0.1 and nowhere else
         assert f"[rank{rank}]: to stderr from rank {rank}" in out  # stderr too, prefixed, on the console
         log = (root / "logs" / f"rank{rank}.log").read_text()  # one file per rank: stdout and stderr
@@ -315,7 +336,7 @@ def test_restart_after_failure_then_signal_death_is_named(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_reach_workers_and_the_grace_period_bounds_the_wait(sig):
-    grace_s = 2.0
+    grace_s = 2  # whole seconds: torchrun's --shutdown-timeout is an int
     # under SIGTERM the workers ignore it (a checkpoint that takes too long): killed after the grace period
     ignore = ["--ignore-term"] if sig == signal.SIGTERM else []
     proc = start([*LAUNCH, "--nproc-per-node", "2", "--shutdown-timeout", str(grace_s), SCRIPT,

@@ -35,7 +35,8 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2"]
 MAX_STEPS = 24  # the script's default; every run here trains (or resumes) to it
 DEADLINE_S = 90  # one launch; an uninterrupted one takes about 8 s on two busy cores
-GRACE_S = 20.0  # --shutdown-timeout of the SIGTERM run: far above the ~1 s a stop and a checkpoint take
+GRACE_S = 20  # --shutdown-timeout of the SIGTERM run (whole seconds, as torchrun takes it): far above the ~1 s a
+# stop and a checkpoint take
 
 
 class Launch:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .env import console_columns
+
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
 
@@ -33,6 +35,7 @@ class Reporter:
         self.reporters = reporters
         self.is_main = is_main
         self._tb_writer = None
+        self._bar: _NoBar | _TerminalBar | _LineBar = _NoBar()
 
     def open(self) -> None:
         """Start the integrations report_to asks for (a missing one warns: metrics.jsonl still gets it all)."""
@@ -53,6 +56,8 @@ class Reporter:
         os.makedirs(self.output_dir, exist_ok=True)
         with open(os.path.join(self.output_dir, METRICS_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
+        if any(key.startswith("eval_") for key in entry):
+            self._bar.write(evaluation_line(entry))
         if self._tb_writer is not None:
             step = entry["step"]
             for key, value in entry.items():
@@ -60,12 +65,14 @@ class Reporter:
                     self._tb_writer.add_scalar(key if key.startswith("eval_") else f"train/{key}", value, step)
 
     def progress_bar(self, total: int, initial: int, disabled: bool):
-        """The bar of a train() call (an inert one when disabled or off rank 0)."""
+        """The bar of a train() call, on stderr: redrawn in place where that reaches a terminal (directly, or
+        through `ddpkit launch`), else one line per logging step; an inert one when disabled or off rank 0."""
         if disabled or not self.is_main:
-            return _NoBar()
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = _NoBar()
+        else:
+            columns = console_columns(sys.stderr)
+            self._bar = _TerminalBar(total, initial, columns) if columns else _LineBar(total, initial)
+        return self._bar
 
     def close(self, log_history: list[dict[str, Any]]) -> None:
         """Flush TensorBoard and draw the loss curve of the run."""
@@ -87,10 +94,10 @@ class Progress:
     def step(self, samples: int) -> None:
         self.clock.tick(samples)
 
-    def show(self, last_loss: float) -> None:
+    def show(self, last_loss: float, logged: bool) -> None:
+        """One more step on the bar; `logged`: this step was a logging step."""
         shown = "-" if math.isnan(last_loss) else f"{last_loss:.4f}"  # nothing logged yet
-        self.bar.set_postfix_str(f"loss={shown} samples/s={self.clock.rate():.0f}", refresh=False)
-        self.bar.update(1)
+        self.bar.step(f"loss={shown} samples/s={self.clock.rate():.0f}", logged)
 
     def summary(self, train_loss: float) -> dict[str, float]:
         """The final log entry of a run (the Transformers names)."""
@@ -99,11 +106,69 @@ class Progress:
                 "total_flos": 0.0}
 
 
+def evaluation_line(entry: dict[str, Any]) -> str:
+    """The console line of one evaluation: step, epoch and every metric."""
+    metrics = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()
+                        if k.startswith("eval_"))
+    return f"eval  step {entry['step']}  epoch {entry['epoch']:.2f}  {metrics}"
+
+
 class _NoBar:
-    def set_postfix(self, *a, **k): ...
-    def set_postfix_str(self, *a, **k): ...
-    def update(self, *a, **k): ...
-    def close(self): ...
+    """No bar (disabled, or not rank 0); evaluation lines still reach the console."""
+
+    def step(self, postfix: str, logged: bool) -> None: ...
+
+    def write(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None: ...
+
+
+class _TerminalBar:
+    """tqdm, redrawn in place: on this process's terminal, or on the one `ddpkit launch` forwards to."""
+
+    def __init__(self, total: int, initial: int, columns: int):
+        from tqdm.auto import tqdm
+
+        # Forwarded by the launcher, stderr is a file that cannot say its width: the launcher's is given.
+        self._tqdm = tqdm(total=total, initial=initial, desc="train", unit="step", ncols=columns, file=sys.stderr)
+
+    def step(self, postfix: str, logged: bool) -> None:
+        self._tqdm.set_postfix_str(postfix, refresh=False)
+        self._tqdm.update(1)
+
+    def write(self, line: str) -> None:
+        self._tqdm.write(line, file=sys.stderr)  # above the bar, which is redrawn below it
+
+    def close(self) -> None:
+        self._tqdm.close()
+
+
+class _LineBar:
+    """Into a pipe or a log file: one line per logging step, never one per update."""
+
+    def __init__(self, total: int, initial: int):
+        self.total, self.n, self.start_n = total, initial, initial
+        self.start = time.perf_counter()
+
+    def step(self, postfix: str, logged: bool) -> None:
+        self.n += 1
+        if not logged:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / max(1, self.n - self.start_n) * (self.total - self.n)
+        percent = 100 * self.n / max(1, self.total)
+        self.write(f"train {self.n}/{self.total} [{percent:3.0f}%] {_clock(elapsed)}<{_clock(left)} {postfix}")
+
+    def write(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None: ...
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes:02d}:{secs:02d}"
 
 
 class Clock:

@@ -56,6 +56,10 @@ class RunningLoss:
         if self._pending is not None:
             self.settle(sum_loss(comm, world, self.carried(), what))
 
+    def unlogged_part(self) -> tuple[float, int]:
+        """(the sum of the global step losses since the last log, how many): what a checkpoint stores."""
+        return self.unlogged, self.unlogged_steps
+
     def take_log(self) -> float:
         """The mean global loss of the steps since the last log; the next period starts."""
         mean = self.unlogged / max(1, self.unlogged_steps)

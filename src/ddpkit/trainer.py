@@ -224,11 +224,12 @@ class Trainer:
         run.step(samples)
         self._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
         step = self.state.global_step
-        if step % self.state.logging_steps == 0 or step == self.state.max_steps:
+        logging = step % self.state.logging_steps == 0 or step == self.state.max_steps
+        if logging:
             self._loss.settle_now(self.comm, self.world, "logged loss")
             self.log({"loss": self._loss.take_log(), "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
                       "samples_per_second": run.clock.lap()})
-        run.show(self.state.last_logged("loss"))
+        run.show(self.state.last_logged("loss"), logged=logging)
 
     def _next_window(self, batches) -> Window:
         """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
@@ -331,8 +332,7 @@ class Trainer:
 
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
-        self.state.loss_since_last_log = self._loss.unlogged
-        self.state.steps_since_last_log = self._loss.unlogged_steps
+        self.state.loss_since_last_log, self.state.steps_since_last_log = self._loss.unlogged_part()
         return checkpoint.save_checkpoint(
             self.args.output_dir, self.state.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(), sampler_state=sampler.state_dict(),

@@ -1,0 +1,111 @@
+"""`ddpkit launch`'s report on a failed job: the root cause first, with its traceback (recorded by ddpkit.errors in
+the worker), the signal that killed a worker by name, and the tail of its output when no traceback was recorded.
+
+    print(failure_summary(result.failures, output_files, log_dir), file=sys.stderr)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import EXPLAINING_ERRORS  # imports no torch: `ddpkit --help` stays fast
+
+# Lines of a failed worker's output shown when it left no traceback (killed, os._exit, failed before ddpkit).
+OUTPUT_TAIL_LINES = 20
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _describe(failure) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {_signal_name(failure.exitcode)} (signal {-failure.exitcode})"
+    return f"exited with code {failure.exitcode}"
+
+
+def _traceback(failure) -> str | None:
+    # torchelastic fills in {"message": "<NONE>"} for a worker that left no error file: that is no traceback.
+    if not os.path.isfile(getattr(failure, "error_file", "") or ""):
+        return None
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
+    return None if message in (None, "", "<NONE>") else message
+
+
+# Words of an error raised because another rank had died first: a consequence, never the root cause.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "PeerFailedError", "Broken pipe",
+              "remote process exited", "ProcessGroupNCCL is aborted")
+# (ddpkit's EXPLAINING_ERRORS, a deadlock or a rank that left early, quote those words but are the cause.)
+
+
+def root_cause(failures: Mapping[int, Any]) -> int:
+    """The global rank whose failure caused the others.
+
+    A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
+    unless it only says that a peer was gone; then a worker that died on its own (an exit code, or a signal
+    other than the SIGTERM/SIGKILL the agent sends to the survivors); then a killed one. torchelastic's own choice, the earliest timestamp, counts whole seconds, so it
+    often names a survivor that was merely stopped, or one that raised only because its peer had died; the
+    error file's modification time orders them to the nanosecond.
+    """
+    def key(rank):
+        failure = failures[rank]
+        trace = _traceback(failure)
+        stopped_by_agent = failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
+        try:
+            when = os.stat(failure.error_file).st_mtime_ns / 1e9
+        except (OSError, TypeError):
+            when = float(failure.timestamp)
+        explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
+        if trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
+            tier = 0  # raised on its own
+        elif trace is None and not stopped_by_agent:
+            tier = 1  # died on its own: an exit code, or a signal the agent does not send
+        elif trace is None:
+            tier = 2  # killed: by the agent, or by itself
+        else:
+            tier = 3  # raised only because a peer had already gone
+        return (tier, when, rank)
+
+    return min(failures, key=key)
+
+
+def _tail(path: str | None, lines: int = OUTPUT_TAIL_LINES) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as fp:
+        return "".join(fp.readlines()[-lines:])
+
+
+def failure_summary(failures: Mapping[int, Any], output_files: Mapping[int, str] | None = None,
+                    log_dir: str | None = None) -> str:
+    """The launcher's report on a failed job: the root cause first, then every other failed rank."""
+    output_files = output_files or {}
+    first = root_cause(failures)
+    failure = failures[first]
+    lines = ["=" * 80, "ddpkit launch: the job failed",
+             f"root cause: rank {first} (local rank {failure.local_rank}, pid {failure.pid}) {_describe(failure)}"]
+    trace = _traceback(failure)
+    if trace:
+        lines.append(trace.rstrip())
+    else:
+        tail = _tail(output_files.get(first))
+        lines.append("(no traceback recorded)" + (f"; the last lines of its output:\n{tail.rstrip()}" if tail
+                                                   else ""))
+    others = [rank for rank in sorted(failures) if rank != first]
+    if others:
+        lines.append("then: " + "; ".join(f"rank {rank} {_describe(failures[rank])}" for rank in others))
+    if log_dir:
+        lines.append(f"per-rank output: {log_dir}")
+    lines.append("=" * 80)
+    return "\n".join(lines)
+
+
+__all__ = ["failure_summary", "root_cause"]
