@@ -292,9 +292,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         return self.reducer.bucket_plan() if self.reducer is not None else []
 
 
-# DDPOptimizer makes its first graph piece hold this many bytes of parameters and refuses a smaller cap for the
-# others (torch's own wrapper fails to compile with bucket_cap_mb below 1 MiB). Below it ddpkit hands Dynamo this
-# cap instead: pieces then hold several of ddpkit's buckets, which still launch between the pieces' backwards.
+# DDPOptimizer gives its first graph piece this many bytes of parameters and asserts that the cap it reads from
+# the active DDP module is no smaller, so torch's own wrapper cannot compile with bucket_cap_mb below 1 MiB.
+# Below it ddpkit hands Dynamo this cap instead: a piece then holds several of ddpkit's buckets, which still
+# launch between the pieces' backwards.
 DYNAMO_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)
 
 
