@@ -182,8 +182,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench") -> int:
-    """The command line; `prog` names it in --help (the CLI passes "ddpkit bench"). Returns the exit code."""
+def _parser(prog: str) -> argparse.ArgumentParser:
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -212,8 +211,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
     parser.add_argument("--inspector", action="store_true",
                         help="also time ddpkit's DDP with the stall inspector on, against it off")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                        help="torch.compile every variant (the wrapper, torch's recommended order) with BACKEND "
+                        help="torch.compile every variant (the wrapper: compile(DDP(model))) with BACKEND "
                              "(default inductor; aot_eager compiles much faster); warm-up steps include compiling")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench") -> int:
+    """The command line; `prog` names it in --help (the CLI passes "ddpkit bench"). Returns the exit code."""
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its directory does not exist")  # before minutes of measuring, not after

@@ -40,8 +40,8 @@ def _make_variant(variant: str, workload: Workload, cfg) -> tuple[nn.Module, tor
     elif variant == "torch":
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
     if cfg.compile:
-        # torch.compile(wrapper), torch's recommended order: Dynamo compiles the wrapped module while the
-        # wrapper's forward names itself the active DDP module, so the graph is split at bucket boundaries.
+        # torch.compile(wrapper): Dynamo compiles the wrapped module while the wrapper's forward names itself
+        # the active DDP module, so both wrappers' graphs are split at their bucket boundaries.
         model = torch.compile(model, backend=cfg.compile)
     return model, torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
