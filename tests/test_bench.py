@@ -109,3 +109,22 @@ def test_cli_hands_bench_its_arguments(capsys):
         cli.main(["bench", "--help"])
     assert exit_info.value.code == 0
     assert "usage: ddpkit bench" in capsys.readouterr().out
+
+
+def test_smoke_compiled_variants(tmp_path):
+    """--compile: every variant torch.compile'd (aot_eager here: it compiles in seconds), interleaved as ever."""
+    path = tmp_path / "bench.json"
+    code = bench.main(["--world-size", "2", "--no-single", "--models", "mlp", "--steps", "2", "--warmup", "1",
+                       "--repeats", "2", "--timeout", "240", "--quiet", "--compile", "aot_eager", "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    assert report["environment"]["compile"] == "aot_eager" and report["config"]["compile"] == "aot_eager"
+    (row,) = report["results"]
+    assert set(row["median_ms"]) == set(bench.VARIANTS)
+    assert all(math.isfinite(r) and r > 0 for r in row["ratios"]["ddpkit/torch"]["rounds"])
+
+
+@pytest.mark.parametrize("bad", [{"compile": "no-such-backend"}, {"compile": "inductor", "warmup": 0}])
+def test_compile_options_rejected(bad):
+    with pytest.raises(ValueError, match="backend|warm-up"):
+        bench.BenchConfig(**bad)

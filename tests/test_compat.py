@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from conftest import clean_env, free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
+HF_SCRIPT = str(Path(__file__).parent / "scripts" / "hf_trainer_swap.py")
 
 
 def _accelerate(out: Path, *extra: str) -> list[dict]:
@@ -43,6 +46,38 @@ def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
     assert ours[0]["params"] == ours[1]["params"], "replicas differ"
     for mine, reference in zip(ours[0]["params"], theirs[0]["params"]):
         assert max(abs(a - b) for a, b in zip(mine, reference)) < 1e-6
+
+
+def _torchrun(script: str, out: Path, *extra: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), script, str(out), *extra]
+    proc = subprocess.Popen(command, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a dev extra")
+def test_transformers_trainer_trains_with_ours_as_with_torchs(tmp_path):
+    """transformers.Trainer on 2 gloo ranks, gradient accumulation under no_sync, the ddp_* fields passed on."""
+    ours = _torchrun(HF_SCRIPT, tmp_path / "ours")
+    theirs = _torchrun(HF_SCRIPT, tmp_path / "torch", "--torch")
+    assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
+    assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
+    assert all(r["world"] == 2 for r in ours + theirs)
+    assert ours[0]["settings"] == theirs[0]["settings"] == [1024 * 1024, False, False]
+    assert ours[0]["synced"] == 4, "4 optimizer steps of 2 micro-batches: only every second backward syncs"
+    assert len(ours[0]["losses"]) == len(theirs[0]["losses"]) == 4
+    for mine, reference in zip(ours[0]["losses"], theirs[0]["losses"]):
+        assert abs(mine - reference) <= 1e-5, (ours[0]["losses"], theirs[0]["losses"])
+    assert ours[0]["params"] == ours[1]["params"], "replicas differ"
+    assert max(abs(a - b) for a, b in zip(ours[0]["params"], theirs[0]["params"])) <= 1e-4
 
 
 # -- torch's contract beyond the training loop: pickling, ignored parameters, buffers at init, torch's hooks -------

@@ -121,3 +121,18 @@ def test_implemented_methods_in_a_world_of_one():
     assert data["num_parameter_tensors"] == len([p for p in ddp.module.parameters() if p.requires_grad])
     inputs, kwargs = ddp.to_kwargs((torch.ones(1),), {"a": torch.zeros(1)}, 0)
     assert inputs[0][0].device.type == "cpu" and kwargs[0]["a"].device.type == "cpu"
+
+
+def test_active_ddp_module_for_dynamo():
+    """Dynamo's DDPOptimizer reads torch's class attribute while the wrapped module runs."""
+    import ddpkit
+    from ddpkit.ddp import DYNAMO_FIRST_BUCKET_BYTES
+
+    ddp = ddpkit.DistributedDataParallel(models.MLP())
+    tiny = ddpkit.DistributedDataParallel(models.MLP(), bucket_cap_mb=0.002)
+    with ddp._inside_ddp_forward():
+        assert TorchDDP._get_active_ddp_module() is ddp and ddp._get_active_ddp_module() is ddp
+        with tiny._inside_ddp_forward():  # nested wrappers: the inner one while it runs, then the outer again
+            assert TorchDDP._get_active_ddp_module().bucket_bytes_cap == DYNAMO_FIRST_BUCKET_BYTES
+        assert TorchDDP._get_active_ddp_module() is ddp
+    assert TorchDDP._get_active_ddp_module() is None

@@ -18,6 +18,7 @@ would compute.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -148,10 +149,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self._build_engine(init_sync=False, sync_buffers_at_init=False)
 
     # -- the forward skeleton ------------------------------------------------------------------------------------
+    # Dynamo does not trace the wrapper itself (its collectives and graph hooks are eager work, as in torch's,
+    # whose file Dynamo skips), only the frames it calls: torch.compile(ddp) compiles the wrapped module.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(inputs, kwargs)
-            output = self.module(*inputs, **kwargs)
+            output = self._run_ddp_forward(*inputs, **kwargs)
             return self._post_forward(output)
 
     @contextlib.contextmanager
@@ -162,7 +166,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         bucket boundaries, so that a compiled backward is several autograd nodes and buckets launch between
         them. The attribute lives on torch's class because that is where Dynamo looks; nesting restores it."""
         previous = TorchDDP._active_ddp_module
-        TorchDDP._active_ddp_module = self
+        TorchDDP._active_ddp_module = self if self.bucket_bytes_cap >= DYNAMO_FIRST_BUCKET_BYTES \
+            else _SplitForDynamo(DYNAMO_FIRST_BUCKET_BYTES)
         try:
             yield
         finally:
@@ -289,6 +294,20 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (empty in a world of one or before the first backward)."""
         return self.reducer.bucket_plan() if self.reducer is not None else []
+
+
+# DDPOptimizer gives its first graph piece this many bytes of parameters and asserts that the cap it reads from
+# the active DDP module is no smaller, so torch's own wrapper cannot compile with bucket_cap_mb below 1 MiB.
+# Below it ddpkit hands Dynamo this cap instead: a piece then holds several of ddpkit's buckets, which still
+# launch between the pieces' backwards.
+DYNAMO_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitForDynamo:
+    """What Dynamo reads from the active DDP module: the parameter bytes per graph piece."""
+
+    bucket_bytes_cap: int
 
 
 class ReplicaDivergenceError(RuntimeError):
