@@ -97,7 +97,7 @@ class Reducer:
         self.window: Window | None = None  # the latest backward pass
         self.uses = Uses(n)  # since the last synchronised finalize, so no_sync micro-batches count as uses
         self.windows = 0  # synchronised windows finalized
-        self.launched_during_backward = 0  # buckets of the last synchronised window launched before its finalize
+        self._launched_before_finalize = 0  # of the last finalized synchronised window (launched_during_backward)
         self._sync_requested = False  # prepare_for_backward: the next backward synchronises
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
@@ -107,6 +107,15 @@ class Reducer:
         if self.windows > 0 or not self.learning:
             raise RuntimeError("the reduction must be chosen before the first backward pass")
         self.reduction = reduction
+
+    @property
+    def launched_during_backward(self) -> int:
+        """Buckets launched before the finalize: of the synchronised backward running now, else of the last one
+        (a compiled backward's pieces read it while it runs)."""
+        window = self.window
+        if window is not None and window.open and window.sync:
+            return window.launched_during_backward
+        return self._launched_before_finalize
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if isinstance(self.reduction, CommHookReduction):
@@ -289,7 +298,7 @@ class Reducer:
             for bucket, result in zip(self.buckets, results):
                 bucket.write_back(result, everywhere_used)
         self.uses = Uses(len(self.params))
-        self.launched_during_backward = window.launched_during_backward
+        self._launched_before_finalize = window.launched_during_backward
 
     def _build_buckets(self, window: Window) -> None:
         """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
