@@ -13,6 +13,7 @@ import contextlib
 
 import numpy as np
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -31,14 +32,19 @@ def _batch(name: str, rank: int, step: int, seed: int):
 
 def _train(world, impl: str, name: str, batches: list[int], how: str = "join", divide: bool = True,
            accumulate: int = 1, seed: int = 0, throw: bool = False, check_grads: bool = False,
-           before_first: bool = False) -> dict:
+           before_first: bool = False, as_view: bool = False, hook: bool = False) -> dict:
     """One training script: `how` is "join" (model.join()), "Join+ZeRO" (torch's Join([model, ZeRO])),
     "disabled" (model.join(enable=False)) or "plain" (no join). Returns the final state and what was seen."""
     import ddpkit
+    import ddpkit.hooks
 
     torch.manual_seed(seed)
     net = models.make(name)
-    model = (ddpkit.DistributedDataParallel if impl == "ddpkit" else TorchDDP)(net, **CAP)
+    model = (ddpkit.DistributedDataParallel if impl == "ddpkit" else TorchDDP)(net, gradient_as_bucket_view=as_view,
+                                                                             **CAP)
+    if hook:  # each its own library's all-reduce hook: a rank that ran out runs it on zeros
+        model.register_comm_hook(None, ddpkit.hooks.allreduce_hook if impl == "ddpkit" else
+                                 default_hooks.allreduce_hook)
     if how == "Join+ZeRO":
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
         context = TorchJoin([model, optimizer], divide_by_initial_world_size=divide)
@@ -112,6 +118,8 @@ def two_ranks(world) -> dict:
     out = {}
     out["mlp"] = _compare(world, "mlp", [3, 5], check_grads=True)
     out["mlp_mean"] = _compare(world, "mlp", [3, 5], divide=False, check_grads=True)
+    out["learning"] = _compare(world, "mlp", [0, 3])  # rank 0 ran out before the first backward set the buckets
+    out["hook_view"] = _compare(world, "mlp", [4, 2], hook=True, as_view=True)
     # rank 0 trains longest: it is the last to join, not the highest rank
     out["bn_accumulate"] = _compare(world, "convbn", [6, 3], accumulate=2)
     out["bn_source"] = _compare(world, "convbn", [2, 2], before_first=True)
@@ -159,7 +167,8 @@ def _check_throw(results: list[dict]) -> None:
 
 def test_join_on_two_ranks():
     results = run_world(two_ranks, 2, deadline_s=240)
-    for key, last in (("mlp", 1), ("mlp_mean", 1), ("bn_accumulate", 0), ("bn_source", 1)):
+    for key, last in (("mlp", 1), ("mlp_mean", 1), ("learning", 1), ("hook_view", 0), ("bn_accumulate", 0),
+                      ("bn_source", 1)):
         _check_run(results, key, last)
     # the steps rank 1 trained alone were checked against the contract (sum / 2, then / 1): not both ways
     assert all(len(r["mlp"]["ours"]["grad_errors"]) == (3 if i == 0 else 5) for i, r in enumerate(results))
