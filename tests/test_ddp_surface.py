@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 import torch
+import torch.distributed.algorithms.join
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -94,11 +95,9 @@ def test_refused_methods_name_ddpkit():
         assert getattr(_ours(name), "ddpkit_refused", False), f"{name} is in REFUSED but implemented"
         with pytest.raises(NotImplementedError, match=rf"{name} is torch's, and ddpkit's wrapper"):
             getattr(ddp, name)()
-    # join_hook refuses too until ddpkit takes part in torch's Join; join() stays as it is.
-    with pytest.raises(NotImplementedError, match="ddpkit.*join hook"):
-        ddp.join_hook()
-    with pytest.raises(NotImplementedError, match="ddpkit.*join hook"):
-        torch.distributed.algorithms.join.Join([ddp])
+    # torch's join internals name what replaces them.
+    with pytest.raises(NotImplementedError, match=r"ddpkit's join hook.*model\.join\(\)"):
+        ddp._sync_final_model(True)
 
 
 def test_implemented_methods_in_a_world_of_one():
@@ -107,6 +106,11 @@ def test_implemented_methods_in_a_world_of_one():
     ddp = ddpkit.DistributedDataParallel(models.ConvBN())
     assert ddp.join_device == torch.device("cpu")
     assert ddp.join_process_group is None and ddp._distributed_rank == 0
+    hook = ddp.join_hook(divide_by_initial_world_size=False)
+    assert isinstance(hook, torch.distributed.algorithms.join.JoinHook)
+    assert ddp._join_divide_by_initial_world_size is False
+    with ddp.join():  # a world of one: nobody to wait for, nothing changes
+        ddp(torch.randn(2, 1, 8, 8)).sum().backward()
     assert ddp.will_sync_module_buffers() is False  # nothing to broadcast to
     assert ddpkit.DistributedDataParallel._get_active_ddp_module() is None  # no forward running
     with pytest.raises(ValueError, match="at least 1"):

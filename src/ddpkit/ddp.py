@@ -26,12 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ddp_checks as checks
 from .comm import Comm
 from .ddp_surface import TorchSurface, install_refusals
+from .join import Join, training_forward
 from .reducer import CommHook, Reducer
 
 
@@ -91,21 +93,29 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self._comm = Comm.for_group(self.process_group)
         self.forward_sync_buffers = self.forward_sync_buffers  # lists the buffers to broadcast
         self.reducer: Reducer | None = None
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # a Join context sets it (ddpkit.join)
+        self._join_divide_by_initial_world_size = True
+        self._join_pending: list = []
         if not self._comm.distributed:
             return
         if init_sync:
             checks.check_same_model(self.module, self._comm, self.parameters_to_ignore)
-            ignore = self.parameters_to_ignore
-            tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
-            if sync_buffers_at_init:
-                tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
-            self._comm.broadcast_tensors(tensors, src=0, what="init parameters and buffers")
+            self._comm.broadcast_tensors(self._module_states(sync_buffers_at_init), src=0,
+                                         what="init parameters and buffers")
         named = self._named_trainable()
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
                                self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
         self._reached: set[int] = set()
         self._reached_window = -1
+
+    def _module_states(self, buffers: bool) -> list[torch.Tensor]:
+        """What makes the replicas one model: the parameters (and buffers), less the ignored ones."""
+        ignore = self.parameters_to_ignore
+        tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
+        if buffers:
+            tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
+        return tensors
 
     # -- torch's attributes ----------------------------------------------------------------------------------------
     @property
@@ -130,7 +140,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     # -- pickling, torch.save, copy.deepcopy: torch's contract ------------------------------------------------------
     _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_window",
-                     "_buffers_to_sync")
+                     "_buffers_to_sync", "_join_config", "_join_pending")
 
     def __getstate__(self) -> dict[str, Any]:
         """The module and the settings; the process group and the reducer are rebuilt by __setstate__."""
@@ -181,12 +191,17 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        if self.will_sync_module_buffers() and torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.reducer is None:
+            # Forwards without grad never broadcast, nor change the flag, nor take part in join(): evaluation
+            # may run on one rank only, where torch's wrapper, which broadcasts there too, hangs.
+            return inputs, kwargs
+        if self._join_config.enable:
+            training_forward(self)  # what ranks that ran out of data shadow; buffers from the highest rank
+        elif self.will_sync_module_buffers():
             # Running statistics and the like come from rank 0, as in torch's wrapper at every forward that
             # follows a synchronised one (require_forward_param_sync, set in _post_forward): under no_sync
             # accumulation only the first micro-batch pays the broadcast, and each later one keeps its own
-            # statistics. Forwards without grad never broadcast, nor change the flag: evaluation may run on one
-            # rank only, where torch's wrapper, which broadcasts there too, hangs.
+            # statistics.
             self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
         return inputs, kwargs
 
@@ -264,9 +279,17 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.static_graph = True
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        raise NotImplementedError("uneven inputs through join() are not supported yet; give every rank the same "
-                                  "number of batches (ddpkit.DistributedSampler does) or use ddpkit's Trainer")
+             throw_on_early_termination: bool = False) -> contextlib.AbstractContextManager:
+        """Around a training loop whose ranks hold different numbers of batches (torch's contract; see
+        ddpkit.join): a rank that ran out shadows the others' collectives until all have, then every rank takes
+        the model of the last to join. Gradients are the sum over the ranks still training divided by the
+        initial world size, or with divide_by_initial_world_size=False by the number of ranks still training.
+        throw_on_early_termination=True: every rank raises RuntimeError once one has run out. enable=False:
+        nothing changes. Inside, buffers come from the highest-numbered rank still training, as in torch."""
+        if self.reducer is None:
+            return contextlib.nullcontext()  # a world of one: nobody to wait for
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def check_replicas(self, what: str = "replica check") -> None:
         """Fail on every rank, naming the first diverging rank and parameter, if any replica differs from rank 0's.

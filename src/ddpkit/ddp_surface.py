@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from . import hooks
+from .join import DDPJoinHook
 
 # torch's own methods that read no field of torch's wrapper: they work on ours as they are.
 INHERITED = frozenset({
@@ -26,8 +28,8 @@ INHERITED = frozenset({
 })  # and torch's override of nn.Module.train, which only returns self
 
 _ENGINE = "ddpkit's own reducer does this work, and nothing needs to call it"
-_JOIN = ("it is part of torch's join() machinery; ddpkit does not support uneven inputs yet: give every rank "
-         "the same number of batches (ddpkit.DistributedSampler does)")
+_JOIN = ("it is a piece of torch's join() machinery, which ddpkit's join hook (ddpkit.join) replaces: use "
+         "model.join() or torch.distributed.algorithms.join.Join([model, ...])")
 _OPTIM = "ddpkit's reducer knows no optimizer: call optimizer.step() after backward"
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("_register_accum_grad_hook", "_fire_reducer_autograd_hook", "_ddp_init_helper",
@@ -74,10 +76,10 @@ class TorchSurface:
     """Implementations of torch's smaller methods; DistributedDataParallel inherits them before torch's."""
 
     # -- Joinable ------------------------------------------------------------------------------------------------
-    def join_hook(self, **kwargs: Any):
-        raise NotImplementedError("ddpkit's DistributedDataParallel does not provide a join hook yet, so it cannot "
-                                  "take part in torch.distributed.algorithms.join.Join; give every rank the same "
-                                  "number of batches (ddpkit.DistributedSampler does)")
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What torch's Join runs on a rank that ran out of data (see ddpkit.join); the one keyword it reads is
+        torch's: divide_by_initial_world_size (default True)."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:

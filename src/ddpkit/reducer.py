@@ -300,6 +300,14 @@ class Reducer:
         self.uses = Uses(len(self.params))
         self._launched_before_finalize = window.launched_during_backward
 
+    def learn_without_gradients(self) -> None:
+        """End the learning window on a rank without a backward of its own (join: it ran out of data before the
+        first synchronised backward). The bucket order comes from rank 0 as in the others' first backward; when
+        rank 0 is this rank, its order is the default one, which is as good for matching collectives."""
+        window = Window(-1)
+        window.open_sync(len(self.params), self.buckets, 1.0, self.windows + 1)
+        self._build_buckets(window)
+
     def _build_buckets(self, window: Window) -> None:
         """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
         order = ready_order(window.fired_order, len(self.params))

@@ -1,0 +1,175 @@
+"""Uneven inputs: ranks that ran out of data shadow the collectives of those still training (torch's join()).
+
+    with model.join():                        # or torch's own: with Join([model, zero_optimizer]):
+        for x, y in my_batches:               # the ranks may hold different numbers of batches
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+The contract is torch's (torch.distributed.algorithms.join, and its DistributedDataParallel). At each training
+forward inside the context, a rank still training issues, before its module runs (`training_forward`):
+
+    1. ranks still training   all-reduce of a one (a rank that ran out adds a zero): the divisor when
+                              divide_by_initial_world_size=False. With throw_on_early_termination, a second
+                              all-reduce says whether some rank ran out, and then every rank raises.
+    2. buffer source          all-reduce MAX of the rank (a rank that ran out: -1): the highest-numbered rank
+                              still training, whose buffers are then broadcast. As in torch, this holds from the
+                              first iteration on, before any rank has run out: which rank runs out first is not
+                              known in advance, and rank 0's buffers go stale once it has.
+    3. backward synchronises  all-reduce of require_backward_grad_sync (a rank that ran out adds a zero)
+
+and its backward issues the buckets and the usage counts (ddpkit.reducer). A rank that ran out runs
+`DDPJoinHook.main_hook` once per iteration of the others: the same collectives, under the same names (so that the
+stall inspector sees one sequence on every rank), with zeros, its own .grad left alone (as torch leaves it).
+
+Gradients: each rank divides its bucket by the divisor and the all-reduce sums the buckets; ranks that ran out add
+zeros. So with divide_by_initial_world_size=True (the divisor stays the world size) a gradient is the sum over the
+ranks still training divided by the initial world size: every sample weighs the same, whichever rank held it. With
+False the divisor is the number of ranks still training: their mean, as a smaller world would compute it.
+
+When every rank has run out, `post_hook` copies the model (its parameters, and its buffers when forward buffers
+are synchronised) from the last rank to join, the highest-numbered one if several ran out last together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+
+from .bucket import Bucket
+from .comm import Comm, max_over_ranks
+
+# What the join collectives are called: the same on the ranks still training and on those that ran out.
+STILL_TRAINING = "join: ranks still training"
+SOMEONE_RAN_OUT = "join: has a rank run out of data"
+BUFFER_SOURCE = "join: buffer source, the highest rank still training"
+BACKWARD_SYNCS = "join: does this backward synchronise"
+LAST_TO_JOIN = "join: the last rank to join"
+
+
+class Join(TorchJoin):
+    """torch's Join, whose own two collectives go through ddpkit's Comm (numbered and watched like every other);
+    `DistributedDataParallel.join()` returns one. torch's Join itself works with ddpkit's wrapper as well."""
+
+    def __init__(self, joinables: list[Any], enable: bool = True, throw_on_early_termination: bool = False,
+                 **kwargs: Any):
+        super().__init__(joinables, enable, throw_on_early_termination, **kwargs)
+        self._comm = Comm.for_group(self._process_group)
+        for hook in self._join_hooks:
+            if isinstance(hook, DDPJoinHook):
+                hook.counted_in_comm = True
+
+    # torch's Join.__exit__ loops over these two while some rank still trains.
+    def _get_num_nonjoined_procs(self) -> float:
+        count = torch.zeros(1, device=self._device)  # this rank ran out: a zero beside the others' ones
+        self._comm.all_reduce(count, STILL_TRAINING)
+        return count.item()
+
+    def _notify_procs_to_terminate(self) -> None:
+        self._comm.all_reduce(torch.ones(1, device=self._device), SOMEONE_RAN_OUT)
+        raise RuntimeError(f"Rank {self._rank} exhausted all inputs. It ran out of data inside "
+                           "join(throw_on_early_termination=True), so every rank stops here")
+
+
+def training_forward(ddp: Any) -> None:
+    """Steps 1 to 3 of the module docstring, before a training forward of a rank still training inside join()."""
+    comm, config, device = ddp._comm, ddp._join_config, ddp.join_device
+    _wait_pending(ddp)
+    if config.is_first_joinable:  # as in torch, only the first joinable tells the context it still trains
+        count = torch.ones(1, device=device)
+        pending = comm.all_reduce(count, STILL_TRAINING, async_op=True)
+        if config.throw_on_early_termination:
+            ran_out = torch.zeros(1, device=device)
+            comm.all_reduce(ran_out, SOMEONE_RAN_OUT)
+            if ran_out.item():
+                comm.wait(pending)
+                raise RuntimeError(f"rank {comm.rank}: detected at least one rank that exhausted its inputs "
+                                   "inside join(throw_on_early_termination=True); throwing across all ranks")
+        if ddp._join_divide_by_initial_world_size:
+            ddp._join_pending.append(pending)  # waited at the next forward: no rank waits for it here
+        else:
+            comm.wait(pending)
+            # Sum over the ranks still training / their number: their mean (see the module docstring).
+            ddp.reducer.divisor = count.item()
+    if ddp.will_sync_module_buffers():
+        source = int(max_over_ranks(comm, comm.rank, BUFFER_SOURCE, device))
+        comm.broadcast_tensors(ddp._buffers_to_sync, src=source, what="module buffers")
+    syncs = torch.full((1,), float(bool(ddp.require_backward_grad_sync)), device=device)
+    ddp._join_pending.append(comm.all_reduce(syncs, BACKWARD_SYNCS, async_op=True))
+
+
+def _wait_pending(ddp: Any) -> None:
+    """The asynchronous join collectives of the last forward (long complete: later ones on the group are)."""
+    pending, ddp._join_pending = ddp._join_pending, []
+    for work in pending:
+        ddp._comm.wait(work)
+
+
+class DDPJoinHook(JoinHook):
+    """What a rank that ran out of data does for ddpkit's wrapper under a Join (see the module docstring)."""
+
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool = True):
+        self.ddp = ddp
+        ddp._join_divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        self.divisor_before = None if ddp.reducer is None else ddp.reducer.divisor
+        # torch's Join counts the ranks still training outside ddpkit's Comm; ddpkit's Join sets this.
+        self.counted_in_comm = False
+        self.stand_ins: list[Bucket] | None = None
+
+    def main_hook(self) -> None:
+        """Shadow one training iteration of the ranks still training: steps 1 to 3, then the backward."""
+        ddp = self.ddp
+        if ddp.reducer is None:
+            return
+        comm, device = ddp._comm, ddp.join_device
+        if not self.counted_in_comm:  # keep this rank's numbering of collectives the others'
+            comm.note("all_reduce", STILL_TRAINING, 4)
+        if ddp.will_sync_module_buffers():
+            source = int(max_over_ranks(comm, -1, BUFFER_SOURCE, device))
+            comm.broadcast_tensors(ddp._buffers_to_sync, src=source, what="module buffers")
+        syncs = torch.zeros(1, device=device)
+        comm.all_reduce(syncs, BACKWARD_SYNCS)
+        sync = syncs.item() > 0
+        # As after a forward of its own: buffers are broadcast at the next iteration only after a synced one.
+        ddp.require_forward_param_sync = sync
+        if sync:
+            self.shadow_backward()
+
+    def shadow_backward(self) -> None:
+        """What the reducer issues in one synchronised backward, in its order and under its names, with zeros."""
+        reducer = self.ddp.reducer
+        number = reducer.windows + 1  # the others' reducer names this backward's collectives by it
+        if reducer.learning:
+            reducer.learn_without_gradients()  # the bucket order from rank 0, as in the others' first backward
+        if self.stand_ins is None:
+            # Zeroed buckets of the same layouts that are no parameter's .grad (gradient_as_bucket_view would
+            # otherwise hand this rank the others' gradients), reduced the same way (a comm hook runs on them).
+            self.stand_ins = [Bucket(b.layout, reducer.params, reducer.comm, b.reduction, b.public.is_last(),
+                                     as_view=False) for b in reducer.buckets]
+        with torch.no_grad():
+            handles = []
+            for bucket in self.stand_ins:
+                bucket.storage.zero_()
+                handles.append(bucket.launch(f"bucket {bucket.index}, backward {number}"))
+            # This rank used no parameter: zeros beside the others' usage counts.
+            usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
+            usage_work = reducer.comm.all_reduce(usage, f"parameter usage, backward {number}", async_op=True)
+            for bucket, handle in zip(self.stand_ins, handles):
+                bucket.wait(handle)
+            reducer.comm.wait(usage_work)
+        reducer.windows += 1
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank ran out: the model of the last rank to join (the highest-numbered one of a tie) everywhere."""
+        ddp = self.ddp
+        _wait_pending(ddp)
+        ddp._join_config = _JoinConfig.construct_disabled_join_config()  # later forwards: no join collectives
+        if ddp.reducer is None:
+            return
+        ddp.reducer.divisor = self.divisor_before
+        comm = ddp._comm
+        source = int(max_over_ranks(comm, comm.rank if is_last_joiner else -1, LAST_TO_JOIN, ddp.join_device))
+        comm.broadcast_tensors(ddp._module_states(ddp.forward_sync_buffers), src=source, what="join: final model")
