@@ -37,6 +37,7 @@ from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
+from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
 PREFIX = "checkpoint"
 MODEL_FILE = "model.safetensors"
@@ -197,13 +198,23 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     outcome = None
-    if world.is_main:
-        try:
+    tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
+    # ZeRO: every rank writes its own slice of the optimizer state into the folder (ddpkit.zero_checkpoint).
+    sharded = is_sharded(optimizer)
+    if sharded:
+        if world.is_main:
             os.makedirs(output_dir, exist_ok=True)
             remove_stale(output_dir)
-            tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
-            os.makedirs(tmp)
-            _write_folder(tmp, model, optimizer, scheduler, trainer_state, sampler_state, rng_states)
+        tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
+        outcome = stage_shards(output_dir, tmp, optimizer, comm, world.is_main)
+    if world.is_main and outcome is None:
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            if not sharded:
+                remove_stale(output_dir)
+                os.makedirs(tmp)
+            _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
+                          rng_states)
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
@@ -253,7 +264,9 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
             raise ValueError(f"{path} holds the weights of another model than this {type(model).__name__}: "
                              f"{found}. Resume with the model the checkpoint was written for, or point "
                              "resume_from_checkpoint at a checkpoint of this model") from exc
-    if optimizer is not None:
+    if optimizer is not None and (is_sharded(optimizer) or shard_files(path)):
+        read_into(path, optimizer, os.path.join(path, OPTIMIZER_FILE))  # only this rank's ranges
+    elif optimizer is not None:
         optimizer.load_state_dict(_load_tensors(os.path.join(path, OPTIMIZER_FILE), device))
     if scheduler is not None:
         scheduler.load_state_dict(_load_tensors(os.path.join(path, SCHEDULER_FILE), "cpu"))

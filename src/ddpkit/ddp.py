@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Comm
 from .reducer import DEFAULT_BUCKET_CAP_MB, CommHook, Reducer
+from .zero_grads import GradShards, check_zero_stage
 
 
 class DistributedDataParallel(TorchDDP):
@@ -37,7 +38,9 @@ class DistributedDataParallel(TorchDDP):
 
     The arguments are torch's, with the same meanings and defaults; `check_reduction` and `static_graph` are
     accepted for compatibility and change nothing (unused parameters and reentrant checkpointing are always
-    handled; see the module docstring).
+    handled; see the module docstring). One is ddpkit's: zero_stage=2 reduce-scatters each bucket into this
+    rank's shard while backward runs and keeps only that shard of the averaged gradients, for a
+    ddpkit.ZeroRedundancyOptimizer built on the parameters (see ddpkit.zero_grads); 0, the default, is DDP.
 
     It subclasses torch's wrapper only so that code which asks `isinstance(model, DistributedDataParallel)`
     (accelerate's and the Transformers Trainer's unwrapping, torch.distributed.checkpoint) treats it as one;
@@ -49,7 +52,7 @@ class DistributedDataParallel(TorchDDP):
                  broadcast_buffers: bool | None = True, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, init_sync: bool = True, **unsupported: Any):
+                 static_graph: bool = False, init_sync: bool = True, zero_stage: int = 0, **unsupported: Any):
         nn.Module.__init__(self)  # not torch's constructor: its reducer is exactly what we replace
         if unsupported:
             raise TypeError(f"ddpkit's DistributedDataParallel does not support {sorted(unsupported)}; "
@@ -84,9 +87,14 @@ class DistributedDataParallel(TorchDDP):
                 self._comm.broadcast_tensors([p.detach() for p in module.parameters()]
                                              + list(module.buffers()), src=0, what="init parameters and buffers")
         self.reducer: Reducer | None = None
+        self.zero_stage = check_zero_stage(zero_stage)
+        self._grad_shards = None  # zero_stage=2: this rank's shards of the averaged gradients (ddpkit.zero_grads)
         if self._comm.distributed:
+            if self.zero_stage == 2:
+                self._grad_shards = GradShards(module, [p for _, p in named], self._comm)
             self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
-                                   gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+                                   gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync,
+                                   reduction=self._grad_shards.reduction if self._grad_shards else None)
             self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
             self._reached: set[int] = set()
             self._reached_window = -1
@@ -107,6 +115,8 @@ class DistributedDataParallel(TorchDDP):
             return self._post_forward(output)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._grad_shards is not None:
+            self._grad_shards.wait_all()  # the parameters the last step gathered, bucket by bucket
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
@@ -183,6 +193,9 @@ class DistributedDataParallel(TorchDDP):
         """Replace the bucket all-reduce by `hook(state, bucket) -> Future[Tensor]`, before the first backward."""
         if not callable(hook):
             raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+        if self.zero_stage == 2:
+            raise RuntimeError("a comm hook replaces the bucket reduction, and zero_stage=2 needs its own "
+                               "(a reduce-scatter into this rank's shard); use zero_stage=0 to register hooks")
         if self.reducer is None:
             self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
             return
@@ -209,6 +222,8 @@ class DistributedDataParallel(TorchDDP):
         """
         if self.reducer is None:
             return
+        if self._grad_shards is not None:
+            self._grad_shards.wait_all()
         named = [(n, p) for n, p in self.module.named_parameters()]
         with torch.no_grad():
             prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
