@@ -44,6 +44,7 @@ from .args import ArgumentError, TrainingArguments
 from .comm import Comm, init_process_group
 from .ddp import DistributedDataParallel
 from .env import DistEnv
+from .zero_trainer import apply_zero, clip_grad_norm, zero_ddp_kwargs
 from .sampler import DistributedSampler
 
 IGNORE_INDEX = -100  # the label value torch's cross_entropy and Transformers models skip
@@ -172,7 +173,8 @@ class Trainer:
         return DistributedDataParallel(model, device_ids=[self.world.device.index] if cuda else None,
                                        find_unused_parameters=self.args.find_unused_parameters,
                                        broadcast_buffers=self.args.broadcast_buffers,
-                                       bucket_cap_mb=self.args.ddp_bucket_cap_mb)
+                                       bucket_cap_mb=self.args.ddp_bucket_cap_mb,
+                                       **zero_ddp_kwargs(self.args.ddp_zero_stage))
 
     def get_train_sampler(self) -> DistributedSampler:
         return DistributedSampler(self.train_dataset, num_replicas=self.world.world_size, rank=self.world.rank,
@@ -193,9 +195,10 @@ class Trainer:
             params = [p for p in self.model.parameters() if p.requires_grad]
             groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.args.weight_decay},
                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                               betas=(self.args.adam_beta1, self.args.adam_beta2),
-                                               eps=self.args.adam_epsilon)
+            stage = self.args.ddp_zero_stage if self.world.world_size > 1 else 0
+            self.optimizer = apply_zero([g for g in groups if g["params"]], stage, torch.optim.AdamW,
+                                        lr=self.args.learning_rate, eps=self.args.adam_epsilon,
+                                        betas=(self.args.adam_beta1, self.args.adam_beta2))
         return self.optimizer
 
     def create_scheduler(self, total_steps: int) -> Any:
@@ -382,10 +385,9 @@ class Trainer:
             last = i == window.micro_steps - 1
             with contextlib.nullcontext() if last or model is self.model else model.no_sync():
                 share += self._micro_step(model, batch, window.items, weight=1.0 if real else 0.0)
-        params = [p for p in self.model.parameters() if p.grad is not None]
         # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
         limit = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit).item() if params else 0.0
+        grad_norm = clip_grad_norm(self.optimizer, list(self.model.parameters()), limit)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
