@@ -438,6 +438,10 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench") -> int:
     """The command line; `prog` names it in --help (the CLI passes "ddpkit bench"). Returns the exit code."""
+    if "--zero" in (sys.argv[1:] if argv is None else argv):  # the ZeRO comparison: its own module
+        from .bench_zero import main as zero_main
+
+        return zero_main(argv, prog=f"{prog} --zero")
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(
         prog=prog,
