@@ -9,6 +9,7 @@ from .comm import Comm, barrier, destroy_process_group, init_process_group, main
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
 from .errors import PeerFailedError, StallError
 from .sampler import DistributedSampler
+from .zero import ZeroRedundancyOptimizer
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .trainer import EvalPrediction, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
@@ -51,4 +52,5 @@ __all__ = [
     "StallError",
     "ReplicaDivergenceError",
     "PeerFailedError",
+    "ZeroRedundancyOptimizer",
 ]

@@ -96,6 +96,10 @@ class TrainingArguments:
                                                    "default: ddp_timeout/5, at most 60.")
     ddp_replica_check_steps: int = _field(500, "Every this many optimizer steps, check that every replica is "
                                                "bitwise identical to rank 0's; 0: never.")
+    ddp_zero_stage: int = _field(0, "ZeRO sharding across the data-parallel ranks: 0 = plain DDP (every rank "
+                                    "holds all optimizer state and gradients); 1 = optimizer state sharded "
+                                    "(ddpkit.ZeroRedundancyOptimizer); 2 = gradients sharded too "
+                                    "(DistributedDataParallel(zero_stage=2)).", choices=(0, 1, 2))
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
@@ -236,6 +240,8 @@ def validate(args: TrainingArguments) -> None:
     need(args.ddp_stall_seconds is None or 0 <= args.ddp_stall_seconds < args.ddp_timeout, "ddp_stall_seconds",
          "must be >= 0 and below ddp_timeout (it explains a stall before the timeout ends it)")
     need(args.ddp_replica_check_steps >= 0, "ddp_replica_check_steps", "must be >= 0 (0: never)")
+    need(args.ddp_zero_stage in (0, 1, 2) and not isinstance(args.ddp_zero_stage, bool), "ddp_zero_stage",
+         "must be 0 (DDP), 1 (optimizer state sharded) or 2 (gradients too)")
     need(args.ddp_bucket_cap_mb is None or args.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb", "must be > 0 MiB")
     if args.ddp_backend is not None:
         need(args.ddp_backend in DDP_BACKENDS, "ddp_backend", f"must be one of {', '.join(DDP_BACKENDS)}")

@@ -218,6 +218,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench") -> int:
     """The command line; `prog` names it in --help (the CLI passes "ddpkit bench"). Returns the exit code."""
+    if "--zero" in (sys.argv[1:] if argv is None else argv):  # the ZeRO comparison: its own module
+        from .bench_zero import main as zero_main
+
+        return zero_main(argv, prog=f"{prog} --zero")
     parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):

@@ -26,24 +26,25 @@ never leaves a folder that looks finished but does not load. Loading checks the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import os
-import random
 import re
 import shutil
 import uuid
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
 from .integrity import MARKER_FILE, CheckpointError, manifest, problems
+from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
+from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
 PREFIX = "checkpoint"
 MODEL_FILE = "model.safetensors"
@@ -53,36 +54,6 @@ SAMPLER_FILE = "sampler_state.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-
-
-# -- RNG ------------------------------------------------------------------------------------------------------
-
-def rng_state() -> dict[str, Any]:
-    """This process's random state, in types torch.load(weights_only=True) accepts (no numpy objects)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any] | None) -> None:
-    """Restore what `rng_state` returned; None (no state saved for this rank) leaves the generators alone."""
-    if state is None:
-        return
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
-    torch.set_rng_state(state["cpu"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # -- finding ----------------------------------------------------------------------------------------------------
@@ -250,19 +221,29 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     """
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
-    outcome = None
-    if world.is_main:
-        tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
+    sharded, outcome = is_sharded(optimizer), None
+    if sharded:  # ZeRO: every rank writes its own slice of the optimizer state into the folder (zero_checkpoint)
+        if world.is_main:
+            with contextlib.suppress(OSError):  # a folder that cannot be made is reported by stage_shards
+                os.makedirs(output_dir, exist_ok=True)
+                remove_stale(output_dir)
+        tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
+        outcome = stage_shards(output_dir, tmp, optimizer, comm, world.is_main)
+    if world.is_main and outcome is None:
         try:
             os.makedirs(output_dir, exist_ok=True)
-            remove_stale(output_dir)
-            os.makedirs(tmp)
-            _write_folder(tmp, model, optimizer, scheduler, trainer_state, sampler_state, rng_states)
+            if not sharded:
+                remove_stale(output_dir)
+                os.makedirs(tmp)
+            _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
+                          rng_states)
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
-            shutil.rmtree(tmp, ignore_errors=True)  # a half-written folder only takes space: the older ones stay
             outcome = _write_failure(exc, output_dir)
+    if outcome is not None and world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written folder only takes space: the older ones stay
     # The barrier: every rank waits for rank 0's write and learns whether it worked.
     outcome = comm.broadcast_object(outcome, src=0, what=f"checkpoint-{step} written")
     if outcome is not None:
@@ -319,7 +300,8 @@ def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = Fals
                                 f"{MARKER_FILE}); resume from another one")
     wrong = problems(path)
     for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
-        if wanted and not os.path.isfile(os.path.join(path, name)) and f"{name} is missing" not in wrong:
+        there = os.path.isfile(os.path.join(path, name)) or (name == OPTIMIZER_FILE and shard_files(path))
+        if wanted and not there and f"{name} is missing" not in wrong:
             wrong.append(f"{name} is missing (this checkpoint was saved without it)")
     if wrong:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: " + "; ".join(wrong)
@@ -373,7 +355,12 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
             raise ValueError(f"{path} holds the weights of another model than this {type(model).__name__}: "
                              f"{found}. Resume with the model the checkpoint was written for, or point "
                              "resume_from_checkpoint at a checkpoint of this model") from exc
-    if optimizer is not None:
+    if optimizer is not None and (is_sharded(optimizer) or shard_files(path)):
+        try:  # ZeRO's files, or a whole state read by a sharded optimizer: only this rank's ranges
+            read_into(path, optimizer, os.path.join(path, OPTIMIZER_FILE))
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"the optimizer state in {path} cannot be loaded: {exc}") from exc
+    elif optimizer is not None:
         _load_into(optimizer, os.path.join(path, OPTIMIZER_FILE), device)
     if scheduler is not None:
         _load_into(scheduler, os.path.join(path, SCHEDULER_FILE), "cpu")

@@ -302,6 +302,16 @@ class Comm:
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_object(self, obj: Any, dst: int = 0, what: str = "") -> list[Any] | None:
+        """Every rank's `obj` in rank order on rank `dst` (None elsewhere): only `dst` holds them all."""
+        record = self._record("gather_object", what, len(pickle.dumps(obj)))
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        with self._blocking(record):
+            dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
+        return out
+
     def broadcast_object(self, obj: Any, src: int = 0, what: str = "") -> Any:
         """`src`'s `obj` on every rank."""
         record = self._record("broadcast_object", what, 0)

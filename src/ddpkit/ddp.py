@@ -34,6 +34,7 @@ from . import ddp_checks as checks
 from .comm import Comm
 from .ddp_surface import TorchSurface, install_refusals
 from .join import Join, training_forward
+from .zero_grads import GradShards, check_zero_stage
 from .reducer import CommHook, Reducer
 
 
@@ -61,7 +62,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
                  delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
                  mixed_precision: Any = None, device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
-                 forward_sync_buffers: bool | None = None):
+                 forward_sync_buffers: bool | None = None, *, zero_stage: int = 0):
         nn.Module.__init__(self)  # not torch's constructor: its reducer is exactly what we replace
         # The checks come in torch's order, so that a module with several problems gets torch's first error.
         process_group = checks.process_group_of(process_group, device_mesh)
@@ -82,6 +83,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.process_group = process_group
+        self.zero_stage = check_zero_stage(zero_stage)  # ddpkit's: 2 shards the gradients (ddpkit.zero_grads)
         self._build_engine(init_sync, sync_buffers_at_init)
 
     def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -96,6 +98,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self._join_config = _JoinConfig.construct_disabled_join_config()  # a Join context sets it (ddpkit.join)
         self._join_divide_by_initial_world_size = True
         self._join_pending: list = []
+        self._grad_shards = None
         if not self._comm.distributed:
             return
         if init_sync:
@@ -103,8 +106,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._comm.broadcast_tensors(self._module_states(sync_buffers_at_init), src=0,
                                          what="init parameters and buffers")
         named = self._named_trainable()
+        # zero_stage=2: each bucket is reduce-scattered into this rank's shard, which is all it keeps.
+        self._grad_shards = GradShards(self.module, [p for _, p in named], self._comm) if self.zero_stage == 2 \
+            else None
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
-                               self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+                               self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync,
+                               reduction=self._grad_shards.reduction if self._grad_shards else None)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
         self._reached: set[int] = set()
         self._reached_window = -1
@@ -140,7 +147,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     # -- pickling, torch.save, copy.deepcopy: torch's contract ------------------------------------------------------
     _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_window",
-                     "_buffers_to_sync", "_join_config", "_join_pending")
+                     "_buffers_to_sync", "_join_config", "_join_pending", "_grad_shards")
 
     def __getstate__(self) -> dict[str, Any]:
         """The module and the settings; the process group and the reducer are rebuilt by __setstate__."""
@@ -188,6 +195,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             return self.module(*inputs, **kwargs)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._grad_shards is not None:
+            self._grad_shards.wait_all()  # the parameters the last step gathered, bucket by bucket
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
@@ -269,6 +278,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         """Replace the bucket all-reduce by `hook(state, bucket) -> Future[Tensor]`, before the first backward."""
         if not callable(hook):
             raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+        if self.zero_stage == 2:
+            raise RuntimeError("a comm hook replaces the bucket reduction, and zero_stage=2 needs its own "
+                               "(a reduce-scatter into this rank's shard); use zero_stage=0 to register hooks")
         if self.reducer is None:
             self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
             return
@@ -297,6 +309,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         Costs one all-gather of two float64 numbers per parameter (a sum and a sum of squares, compared bit for
         bit); cheap enough to run every few hundred steps.
         """
+        if self._grad_shards is not None:
+            self._grad_shards.wait_all()
         if self.reducer is None:
             return
         named = [(n, p) for n, p in self.module.named_parameters()]

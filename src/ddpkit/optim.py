@@ -8,17 +8,20 @@ import torch
 from torch import nn
 
 from .args import ArgumentError, TrainingArguments
+from .zero_trainer import apply_zero
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
+def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int = 1) -> torch.optim.Optimizer:
+    """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay. Under
+    ddp_zero_stage 1 or 2 (and more than one rank) each rank keeps the state of its shard only (ddpkit.zero)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    stage = args.ddp_zero_stage if world_size > 1 else 0
+    return apply_zero([g for g in groups if g["params"]], stage, torch.optim.AdamW, lr=args.learning_rate,
+                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
 def get_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int,

@@ -49,6 +49,7 @@ from .sampler import DistributedSampler
 from .state import EvalPrediction, TrainerState, TrainOutput
 from .window import StopRequest, Window, agree_on_window, take_batches
 from .wrap import prepare_model
+from .zero_trainer import clip_grad_norm
 
 get_scheduler = optim.get_scheduler
 
@@ -109,7 +110,7 @@ class Trainer:
     def create_optimizer(self) -> torch.optim.Optimizer:
         """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
         if self.optimizer is None:
-            self.optimizer = optim.create_optimizer(self.model, self.args)
+            self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size)
         return self.optimizer
 
     def create_scheduler(self, total_steps: int) -> Any:
@@ -254,10 +255,9 @@ class Trainer:
             last = i == window.micro_steps - 1
             with contextlib.nullcontext() if last or model is self.model else model.no_sync():
                 share += self._micro_step(model, batch, window.items, weight=1.0 if real else 0.0)
-        params = [p for p in self.model.parameters() if p.grad is not None]
         # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
         limit = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit).item() if params else 0.0
+        grad_norm = clip_grad_norm(self.optimizer, list(self.model.parameters()), limit)  # over the shards, if any
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .args import ArgumentError, TrainingArguments
+from .zero_trainer import zero_ddp_kwargs
 from .ddp import DistributedDataParallel
 from .env import DistEnv
 
@@ -25,7 +26,8 @@ def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> Dist
     cuda = world.device.type == "cuda"
     return DistributedDataParallel(model, device_ids=[world.device.index] if cuda else None,
                                    find_unused_parameters=args.find_unused_parameters,
-                                   broadcast_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb)
+                                   broadcast_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
+                                   **zero_ddp_kwargs(args.ddp_zero_stage))
 
 
 def prepare_model(model: nn.Module, args: TrainingArguments, world: DistEnv) -> tuple[nn.Module, nn.Module]:

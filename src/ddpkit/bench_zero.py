@@ -1,0 +1,198 @@
+"""`ddpkit bench --zero`: ZeRO step time and optimizer-state memory against DDP, torch's ZeRO and FSDP2.
+
+    ddpkit bench --zero                          # 2 gloo ranks, the MLP and the transformer, AdamW
+    python -m ddpkit.bench_zero --repeats 12 --models mlp
+
+Every variant trains the same model with AdamW from the same seed on every rank, interleaved in rounds with the
+order rotated each round (as `ddpkit bench` does), a barrier before every timed block:
+
+    ddpkit        ddpkit's DDP + AdamW
+    ddpkit-z1     ddpkit's DDP + ddpkit.ZeroRedundancyOptimizer (stage 1)
+    ddpkit-z2     ddpkit's DDP(zero_stage=2) + ddpkit.ZeroRedundancyOptimizer (stage 2)
+    torch         torch's DDP + AdamW (the denominator of every ratio)
+    torch-zero    torch's DDP + torch's ZeroRedundancyOptimizer
+    fsdp2         torch's fully_shard(reshard_after_forward=False) + AdamW (stage 2 in FSDP2's terms)
+
+Reported: rank 0's median step time per variant, its ratio to torch's DDP (median of the per-round ratios
+[min-max]), and the optimizer-state bytes each rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .bench import WORKLOADS, ratio_stats, round_order
+
+VARIANTS = ("ddpkit", "ddpkit-z1", "ddpkit-z2", "torch", "torch-zero", "fsdp2")
+LR = 1e-4
+
+
+def _make(variant: str, name: str, seed: int):
+    import ddpkit
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.manual_seed(seed)
+    model = WORKLOADS[name].build()
+    if variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in list(model.modules()):  # pre-order: a block before the layers inside it
+            if isinstance(layer, (torch.nn.Linear, torch.nn.TransformerEncoderLayer)) and \
+                    not any(hasattr(p, "to_local") for p in layer.parameters()):  # not in a sharded block
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    if variant.startswith("ddpkit"):
+        model = ddpkit.DistributedDataParallel(model, zero_stage=2 if variant == "ddpkit-z2" else 0)
+    else:
+        model = TorchDDP(model)
+    if variant in ("ddpkit-z1", "ddpkit-z2"):
+        return model, ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    if variant == "torch-zero":
+        return model, TorchZero(model.parameters(), torch.optim.AdamW, lr=LR)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state on this rank (a sharded optimizer's local state; FSDP2's local shards)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    total = 0
+    for state in inner.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _step(model, optimizer, workload, batch) -> float:
+    began = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    workload.loss(model, batch).backward()
+    optimizer.step()
+    return time.perf_counter() - began
+
+
+def measure(name: str, rank: int, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
+    from .comm import Comm
+
+    workload = WORKLOADS[name]
+    runs = {v: _make(v, name, 0) for v in VARIANTS}
+    batch = workload.batch(torch.Generator().manual_seed(rank))
+    comm = Comm.for_group()
+    for variant in VARIANTS:
+        for _ in range(warmup):
+            _step(*runs[variant], workload, batch)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(repeats):
+        for variant in round_order(r, VARIANTS):
+            comm.barrier("bench round")
+            times[variant].append(statistics.median(_step(*runs[variant], workload, batch) for _ in range(steps)))
+    memory = {v: state_bytes(runs[v][1]) for v in VARIANTS}
+    return {"times": times, "state_bytes": memory,
+            "params": sum(p.numel() for p in WORKLOADS[name].build().parameters())}
+
+
+def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import ddpkit
+
+        torch.set_num_threads(1)
+        ddpkit.init_process_group(backend="gloo", timeout=600)
+        try:
+            out = {name: measure(name, rank, steps, warmup, repeats) for name in models}
+        finally:
+            ddpkit.destroy_process_group()
+        results.put(("ok", rank, out))
+    except BaseException as exc:  # noqa: BLE001 - the parent must hear of every failure
+        results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run(models: Sequence[str], world_size: int = 2, steps: int = 3, warmup: int = 2, repeats: int = 6,
+        timeout_s: float = 900.0) -> list[dict[str, Any]]:
+    """Every rank's measurements; no rank outlives the call."""
+    from .env import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, port, tuple(models), steps, warmup, repeats, results))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench --zero: ranks {sorted(set(range(world_size)) - set(done))} missed "
+                                   f"the {timeout_s:.0f} s deadline")
+            try:
+                kind, rank, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("bench --zero: a rank died without a word") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"bench --zero: rank {rank} failed:\n{payload}")
+            done[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(done) == world_size else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [done[r] for r in range(world_size)]
+
+
+def format_table(per_rank: list[dict[str, Any]]) -> str:
+    lines = [f"{'model':<12} {'variant':<11} {'ms':>8} {'/torch':<20} " +
+             " ".join(f"{'state r' + str(r):>10}" for r in range(len(per_rank)))]
+    for name, measured in per_rank[0].items():
+        torch_rounds = measured["times"]["torch"]
+        for variant in VARIANTS:
+            rounds = measured["times"][variant]
+            ratio = ratio_stats(rounds, torch_rounds)
+            memory = " ".join(f"{r[name]['state_bytes'][variant] / 2**20:>8.2f}Mi" for r in per_rank)
+            lines.append(f"{name:<12} {variant:<11} {1e3 * statistics.median(rounds):>8.2f} "
+                         f"{ratio['median']:.3f} [{ratio['min']:.2f}-{ratio['max']:.2f}]  {memory}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ddpkit bench --zero") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)  # how `ddpkit bench` hands over
+    parser.add_argument("--models", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=6, help="rounds (the order rotates each round)")
+    args = parser.parse_args(argv)
+    per_rank = run(args.models, args.world_size, args.steps, args.warmup, args.repeats)
+    print(f"ddpkit bench --zero: AdamW, gloo, {args.world_size} ranks x 1 thread, rank 0 medians of "
+          f"{args.repeats} rounds x {args.steps} steps")
+    print(format_table(per_rank))
+    return 0
+
+
+if __name__ == "__main__":
+    from ddpkit.bench_zero import main as _main
+
+    sys.exit(_main())

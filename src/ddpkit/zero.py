@@ -1,0 +1,388 @@
+"""ZeroRedundancyOptimizer: ZeRO stage 1, a drop-in for torch's class of that name.
+
+    model = ddpkit.DistributedDataParallel(net)          # or torch's DistributedDataParallel
+    opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+    opt.consolidate_state_dict(to=0); full = opt.state_dict() if rank == 0 else None
+
+    model = ddpkit.DistributedDataParallel(net, zero_stage=2)   # stage 2: gradients sharded too
+    opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # finds the shards
+
+Each rank's optimizer keeps state only for its 1/N of the elements. Where torch's class hands out whole
+parameters (one large embedding leaves the shards unequal), the shards here are balanced to the element: flat
+slices of the parameters, per param group and dtype (ddpkit.zero_partition). An elementwise optimizer (SGD,
+Adam, AdamW, ...) stepping a slice computes exactly what it computes for those elements of the whole tensor, so
+the parameters are bitwise those of the unsharded optimizer given the same gradients; optimizers that need a
+tensor's shape (Adafactor, or any class not known to be elementwise) get whole parameters instead, balanced
+greedily. After the local step the updated slices are all-gathered, so every replica is identical, bit for bit.
+
+state_dict() after consolidate_state_dict(to) is torch's plain format (whole tensors, parameters numbered in
+param-group order), the same as the unsharded optimizer's: load_state_dict takes either, on any world size.
+Checkpoints that no rank has to hold whole are ddpkit.zero_checkpoint's (save_checkpoint uses them).
+
+Stage 2 (DistributedDataParallel(zero_stage=2), see ddpkit.zero_grads): the wrapper reduce-scatters each bucket
+into this rank's shard during backward and drops the local .grad; this class then partitions by the reducer's
+buckets (built at the first step, after the first backward), steps on the shards and leaves the all-gathers of
+the updated parameters in flight until the next forward (or wait_for_params()).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+from .zero_grads import ATTRIBUTE, GradShards, unit_plan
+from .zero_partition import partition_flat, partition_whole
+from .zero_state import COUNT_KEYS, merge_pieces, slice_state
+from .zero_unit import Unit
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and state: a flat slice
+# of a tensor steps exactly as that part of the whole tensor would.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop"))
+# Optimizers that need every parameter at once (global dot products), which no partition can serve.
+WHOLE_MODEL = (torch.optim.LBFGS,)
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer_class(**defaults)` so that each rank keeps the state of its shard only.
+
+    The arguments are torch's. parameters_as_bucket_view=True moves the parameters of each param group and
+    dtype into one flat buffer (they become views of it) that the all-gather fills directly, saving a copy of
+    the parameters per step. overlap_with_ddp is torch's name for stage 2, which ddpkit chooses on its
+    DistributedDataParallel instead (zero_stage=2): passing True here is an error that says so.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                 process_group: dist.ProcessGroup | None = None, parameters_as_bucket_view: bool = False,
+                 overlap_with_ddp: bool = False, **defaults: Any):
+        if overlap_with_ddp:
+            raise ValueError("overlap_with_ddp=True is torch's stage-2 hook-up; in ddpkit stage 2 is chosen on "
+                             "the model: ddpkit.DistributedDataParallel(module, zero_stage=2), with this "
+                             "optimizer built on its parameters and overlap_with_ddp left False")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW),"
+                            f" got {optimizer_class!r}")
+        if issubclass(optimizer_class, WHOLE_MODEL):
+            raise ValueError(f"{optimizer_class.__name__} needs the gradients of all parameters at once (global "
+                             "dot products and line searches), which a sharded optimizer cannot give it; use it "
+                             "unsharded")
+        self._built = False
+        super().__init__(params, defaults)
+        self.optimizer_class = optimizer_class
+        self._kwargs = defaults
+        self.process_group = process_group
+        self.comm = Comm.for_group(process_group)
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.whole = not issubclass(optimizer_class, ELEMENTWISE)
+        self.units: list[Unit] = []
+        self._slot_of: dict[int, tuple[int, int, int]] = {}  # id(local tensor) -> (parameter, start, stop)
+        self._consolidated: dict[str, Any] | None = None
+        self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
+        self.optim: torch.optim.Optimizer | None = None
+        self.grad_shards = _grad_shards_of(self._numbered())
+        if self.grad_shards is None:
+            self._build([self._shard_group(index) for index in range(len(self.param_groups))])
+        else:
+            if self.whole:
+                raise ValueError(f"{optimizer_class.__name__} needs whole tensors, but zero_stage=2 gives each "
+                                 "rank flat slices of the buckets; use it with zero_stage=0 (this class is stage 1)")
+            # The shards are the reducer's buckets', known after the first synchronised backward: built then.
+            self.grad_shards.consumer = self
+            self._adopt_defaults(optimizer_class([torch.zeros(1, requires_grad=True)], **defaults))
+        self._built = True
+
+    def _build(self, local_groups: list[dict[str, Any]]) -> None:
+        self.optim = self.optimizer_class(local_groups, **self._kwargs)
+        self._adopt_defaults(self.optim)
+
+    def _adopt_defaults(self, optim: torch.optim.Optimizer) -> None:
+        """The wrapped optimizer's defaults fill in what the caller left out, so param_groups and state_dict
+        read exactly as the unsharded optimizer's (schedulers change lr here; step copies it down)."""
+        self.defaults = dict(optim.defaults)
+        for group in self.param_groups:
+            for key, value in optim.defaults.items():
+                group.setdefault(key, value)
+
+    # -- sharding -------------------------------------------------------------------------------------------------
+    def _shard_group(self, index: int) -> dict[str, Any]:
+        """Partition one param group among the ranks; the local optimizer's group for this rank's share.
+
+        The memory this saves, in the ZeRO paper's accounting for Ψ parameters trained with mixed-precision
+        Adam: 2Ψ bytes of fp16 weights + 2Ψ of fp16 gradients + KΨ of optimizer state, K = 12 (an fp32 copy
+        of the weights, momentum and variance, 4 bytes each): 16Ψ per replica. Stage 1 (this class) keeps
+        only 1/N of the KΨ term on each rank: 2Ψ + 2Ψ + 12Ψ/N. Stage 2 (DistributedDataParallel's
+        zero_stage=2) also keeps 1/N of the gradients: 2Ψ + (2Ψ + 12Ψ)/N. Stage 3 (FSDP) would shard the
+        weights too, 16Ψ/N; ddpkit does not. Each rank here owns ceil(n / N) elements of every unit of n
+        elements (the last ranks what is left), so its share is 1/N of the total to within N elements per
+        unit (param group and dtype); AdamW in fp32, as in the tests, keeps 8 bytes per element.
+        """
+        group = self.param_groups[index]
+        first = sum(len(g["params"]) for g in self.param_groups[:index])
+        by_kind: dict[tuple, list[int]] = {}
+        for position, param in enumerate(group["params"]):
+            by_kind.setdefault((param.dtype, param.device), []).append(position)
+        local: list[torch.Tensor] = []
+        for positions in by_kind.values():
+            params = [group["params"][p] for p in positions]
+            numels = [p.numel() for p in params]
+            cut = partition_whole if self.whole else partition_flat
+            unit = Unit(f"group {index}", [first + p for p in positions], params, [index] * len(params),
+                        cut(numels, self.world_size), self.comm, self.parameters_as_bucket_view)
+            self.units.append(unit)
+            for piece, tensor in zip(unit.mine, unit.locals):
+                self._slot_of[id(tensor)] = (unit.indices[piece.param], piece.start, piece.stop)
+                local.append(tensor)
+        options = {key: value for key, value in group.items() if key != "params"}
+        return {**options, "params": local}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's: the new group is partitioned among the ranks on its own (existing shards do not move)."""
+        super().add_param_group(param_group)
+        if self._built and self.grad_shards is not None:
+            raise NotImplementedError("add_param_group under zero_stage=2 is not supported: pass every param "
+                                      "group to the constructor")
+        if self._built:
+            self.optim.add_param_group(self._shard_group(len(self.param_groups) - 1))
+            self._adopt_defaults(self.optim)
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step this rank's shard, then all-gather the updated shards so every replica is whole and identical."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_built()
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in group.items():
+                if key != "params":
+                    local[key] = value  # hyperparameters live here (schedulers set them); the shard reads them
+        for unit in self.units:
+            unit.lend_grads()
+        try:
+            self.optim.step()
+        finally:
+            for unit in self.units:
+                unit.take_back_grads()
+        self._consolidated = None
+        # The first layers' buckets last in index order: gathered first, so the next forward can start sooner.
+        started = [(unit, unit.start_gather()) for unit in reversed(self.units)]
+        for unit, handle in started:
+            if self.grad_shards is not None:
+                self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
+            else:
+                unit.finish_gather(handle)
+        return loss
+
+    def wait_for_params(self) -> None:
+        """Stage 2: wait for the parameter all-gathers the last step left in flight. The wrapper's next forward,
+        its check_replicas and the module's state_dict wait by themselves; call this before reading the
+        parameters any other way between step() and the next forward. (Stage 1 gathers within step().)"""
+        if self.grad_shards is not None:
+            self.grad_shards.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.grad_shards is not None:
+            self.grad_shards.zero_grad()
+
+    def _ensure_built(self) -> None:
+        if self.grad_shards is not None:
+            self.grad_shards.wait_all()
+            if self.optim is None:
+                self._shard_buckets()
+
+    def _shard_buckets(self) -> None:
+        """Stage 2: one unit per bucket of the reducer, this rank owning the bucket's shard it reduced into."""
+        shards = self.grad_shards
+        if not shards.buckets:
+            raise RuntimeError("zero_stage=2: step() came before any synchronised backward pass, where the "
+                               "gradient shards are made; run forward and backward first")
+        number = {id(p): i for i, p in enumerate(self._numbered())}
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        local: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        for index in sorted(shards.buckets):
+            bucket = shards.buckets[index]
+            indices = [number.get(id(p)) for p in bucket.params]
+            groups = [group_of.get(id(p)) for p in bucket.params]
+            unit = Unit(f"bucket {index}", indices, bucket.params, groups, unit_plan(bucket.layout), self.comm,
+                        False, functools.partial(_shard_grad, shards, index), index=index)
+            self.units.append(unit)
+            for piece, tensor in zip(unit.mine, unit.locals):
+                if indices[piece.param] is not None:  # not a parameter of this optimizer: never stepped
+                    self._slot_of[id(tensor)] = (indices[piece.param], piece.start, piece.stop)
+                    local[groups[piece.param]].append(tensor)
+        self._build([{**{k: v for k, v in group.items() if k != "params"}, "params": params}
+                     for group, params in zip(self.param_groups, local)])
+        if self._pending_load is not None:
+            pending, self._pending_load = self._pending_load, None
+            pending()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, computed from the shards.
+
+        Each rank takes the norm of the gradient elements its optimizer reads, the ranks combine them (a sum
+        of p-th powers, or a max for the inf-norm) and each rank scales its own shard: 1/N of the work and one
+        number of communication. Only the shard is scaled; the rest of each .grad is left as it was, since
+        this rank's step never reads it. Returns the total norm (the same on every rank).
+        """
+        self._ensure_built()
+        return clip_shards_(self.units, self.comm, max_norm, norm_type)
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def _numbered(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def shard_state(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's optimizer state as [(parameter index, start, stop, state)]: flat element ranges of the
+        parameters (numbered in param-group order), readable by any world size."""
+        if self.optim is None:
+            return []  # stage 2 before its first step: no state yet
+        out = []
+        for group in self.optim.param_groups:
+            for tensor in group["params"]:
+                state = self.optim.state.get(tensor)
+                if state:
+                    out.append((*self._slot_of[id(tensor)], dict(state)))
+        return out
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard state on rank `to` (call it on every rank); then `state_dict()` there."""
+        shards = self.comm.gather_object(self.shard_state(), dst=to, what="zero consolidate_state_dict")
+        if self.rank != to:
+            self._consolidated = None
+            return
+        self._consolidated = self._whole_state_dict([piece for shard in shards for piece in shard])
+
+    def _whole_state_dict(self, pieces: list[tuple[int, int, int, dict]]) -> dict[str, Any]:
+        params = self._numbered()
+        by_param: dict[int, list[tuple[int, int, dict]]] = {}
+        for index, start, stop, state in pieces:
+            by_param.setdefault(index, []).append((start, stop, state))
+        state = {index: merge_pieces(by_param[index], params[index].shape, self.whole)
+                 for index in sorted(by_param)}
+        groups, at = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+            at += n
+        return {"state": state, "param_groups": groups}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in torch's format, on the rank that consolidate_state_dict gathered it to."""
+        if self._consolidated is None and not self.comm.distributed:
+            self.consolidate_state_dict(to=self.rank)
+        if self._consolidated is None:
+            raise RuntimeError("the optimizer state is sharded: call consolidate_state_dict(to=rank) on every "
+                               "rank first (after the last step), then state_dict() on that rank")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole state dict (this class's or the unsharded optimizer's); each rank keeps its slices."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, self.param_groups)):
+            raise ValueError("the state dict's param groups do not match this optimizer's: "
+                             f"{[len(g['params']) for g in groups]} parameters per group there, "
+                             f"{[len(g['params']) for g in self.param_groups]} here")
+        if self.optim is None:  # stage 2 before its first step: loaded when the shards are known
+            self.defer_load(functools.partial(self.load_state_dict, state_dict))
+            return
+        saved = state_dict["state"]
+        pieces = []
+        params = self._numbered()
+        for index, start, stop in self._slot_of.values():
+            whole = saved.get(index, saved.get(str(index)))
+            if whole:
+                pieces.append((index, start, stop, slice_state(whole, start, stop, params[index].shape, self.whole)))
+        self.load_shard_state(pieces, groups)
+
+    def wanted_ranges(self) -> list[tuple[int, int, int]]:
+        """The (parameter index, start, stop) ranges whose state this rank keeps (empty until built)."""
+        return list(self._slot_of.values())
+
+    def defer_load(self, load: Callable[[], None]) -> bool:
+        """Stage 2 before the first step does not know its shards yet: run `load` once it does. False (and
+        nothing deferred) when the shards are known."""
+        if self.optim is not None:
+            return False
+        self._pending_load = load
+        return True
+
+    def load_shard_state(self, pieces: list[tuple[int, int, int, dict[str, Any]]],
+                         param_groups: list[dict[str, Any]]) -> None:
+        """Load exactly this rank's pieces [(parameter index, start, stop, state)] and the hyperparameters;
+        per-element tensors may come flat (ddpkit.zero_checkpoint writes them so)."""
+        for group, saved in zip(self.param_groups, param_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        by_range = {(index, start, stop): state for index, start, stop, state in pieces}
+        local_state, local_groups, position = {}, [], 0
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            numbers = []
+            for tensor in local["params"]:
+                state = by_range.get(self._slot_of[id(tensor)])
+                if state is not None:
+                    local_state[position] = {k: v.view(tensor.shape) if isinstance(v, torch.Tensor) and
+                                             k not in COUNT_KEYS and v.numel() == tensor.numel() and v.dim() > 0
+                                             else v for k, v in state.items()}
+                numbers.append(position)
+                position += 1
+            local_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self._consolidated = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (tensors in its local optimizer's state)."""
+        if self.optim is None:
+            return 0
+        return sum(v.numel() * v.element_size() for state in self.optim.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
+
+
+def _grad_shards_of(params: list[torch.nn.Parameter]) -> GradShards | None:
+    """The stage-2 gradient shards the parameters belong to (DistributedDataParallel(zero_stage=2)), if any."""
+    found = {id(s): s for s in (getattr(p, ATTRIBUTE, None) for p in params) if s is not None}
+    if len(found) > 1:
+        raise ValueError("these parameters belong to several DistributedDataParallel(zero_stage=2) models; "
+                         "build one ZeroRedundancyOptimizer per model")
+    return next(iter(found.values()), None)
+
+
+def _shard_grad(shards: GradShards, index: int, piece: Any) -> torch.Tensor | None:
+    return shards.grad_of(index, piece.offset, piece.numel, piece.param)
+
+
+def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
+    norm_type = float(norm_type)
+    grads = [g for unit in units for g in unit.grads()]
+    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the all-reduce.
+    wide = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.float32)
+    device = units[0].params[0].device if units else torch.device("cpu")
+    if grads:
+        norms = torch.stack([n.to(wide) for n in torch._foreach_norm(grads, norm_type)])
+        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=wide, device=device)
+    total = local.reshape(1).clone()
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    comm.all_reduce(total, "zero grad norm", op=op)
+    total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+    # torch's formula: scale by max_norm / (norm + 1e-6), never up.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (grad_device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, coef.to(grad_device, dtype))
+    return total

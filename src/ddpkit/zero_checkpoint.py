@@ -1,0 +1,161 @@
+"""Sharded optimizer checkpoints: each rank writes its own slices, each rank reads only the slices it needs.
+
+    write_shard(folder, optimizer, rank)      optimizer_shard_<rank>.pt: this rank's state, by flat element range
+    read_into(folder, optimizer)              a ZeroRedundancyOptimizer (any stage, any world size) or a plain one
+
+A shard file holds {"format", "world_size", "param_groups", "pieces"}: each piece is (parameter index, start,
+stop, state) with the parameters numbered in param-group order (torch's state_dict numbering) and every
+per-element tensor flat over elements [start, stop) of its parameter. So the file says nothing about the
+partition that wrote it: a run saved on 2 ranks under stage 2 (bucket shards) resumes on 3 under stage 1 (flat
+shards), or on 1 with the plain optimizer. Files are opened with torch.load(mmap=True): only the byte ranges a
+rank copies are read from disk, so no rank ever holds the whole optimizer state; the plain optimizer, which
+holds it all by definition, is the one exception. A plain optimizer's whole state_dict (optimizer.pt) is read
+the same way by a sharded one.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import torch
+
+from .zero_state import COUNT_KEYS
+
+SHARD_FILE = "optimizer_shard_{rank}.pt"
+FORMAT = 1
+
+
+def is_sharded(optimizer: Any) -> bool:
+    return hasattr(optimizer, "shard_state") and hasattr(optimizer, "load_shard_state")
+
+
+def _flat(state: dict[str, Any], numel: int) -> dict[str, Any]:
+    return {k: v.detach().reshape(-1) if isinstance(v, torch.Tensor) and k not in COUNT_KEYS and v.dim() > 0
+            and v.numel() == numel else v for k, v in state.items()}
+
+
+def write_shard(folder: str, optimizer: Any, rank: int, world_size: int) -> str:
+    """This rank's pieces of the optimizer state into `folder` (every rank calls it, into the same folder)."""
+    pieces = [(index, start, stop, _flat(state, stop - start)) for index, start, stop, state in optimizer.shard_state()]
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
+              for g in optimizer.param_groups]
+    path = os.path.join(folder, SHARD_FILE.format(rank=rank))
+    torch.save({"format": FORMAT, "world_size": world_size, "param_groups": groups, "pieces": pieces}, path)
+    return path
+
+
+def shard_files(folder: str) -> list[str]:
+    found = []
+    for path in glob.glob(os.path.join(folder, "optimizer_shard_*.pt")):
+        match = re.search(r"optimizer_shard_(\d+)\.pt$", path)
+        if match:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def _open(path: str) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _saved_pieces(folder: str, whole_file: str | None) -> tuple[list[dict], list[tuple[int, int, int, dict]]]:
+    """The saved param groups and pieces, from shard files or from one whole state_dict (lazily: mmap)."""
+    files = shard_files(folder)
+    if files:
+        pieces, groups = [], None
+        for path in files:
+            saved = _open(path)
+            groups = groups or saved["param_groups"]
+            pieces.extend(saved["pieces"])
+        return groups, pieces
+    if whole_file is None or not os.path.isfile(whole_file):
+        raise FileNotFoundError(f"{folder} holds no optimizer state (neither {SHARD_FILE.format(rank='<r>')} "
+                                f"nor {whole_file})")
+    saved = _open(whole_file)
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
+              for g in saved["param_groups"]]
+    pieces = []
+    for index, state in saved["state"].items():
+        numel = _numel_of(state)
+        pieces.append((int(index), 0, numel, _flat(state, numel)))
+    return groups, pieces
+
+
+def _numel_of(state: dict[str, Any]) -> int:
+    sizes = [v.numel() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in COUNT_KEYS]
+    return max(sizes) if sizes else 0
+
+
+def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[str, Any] | None:
+    """The state of elements [start, stop) of a parameter, copied out of whichever saved pieces cover them."""
+    index, start, stop = want
+    covering = [p for p in pieces_of.get(index, ()) if p[1] < stop and p[2] > start]
+    if not covering:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in covering[0][3].items():
+        if isinstance(value, torch.Tensor) and key not in COUNT_KEYS and value.dim() == 1 and \
+                value.numel() == covering[0][2] - covering[0][1]:
+            flat = torch.empty(stop - start, dtype=value.dtype)
+            for _, lo, hi, state in covering:
+                a, b = max(lo, start), min(hi, stop)
+                flat[a - start:b - start].copy_(state[key][a - lo:b - lo])  # reads only these bytes
+            out[key] = flat
+        else:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> None:
+    """Load the saved state into `optimizer`: a sharded one reads its own ranges, a plain one everything."""
+    if is_sharded(optimizer) and optimizer.defer_load(lambda: read_into(folder, optimizer, whole_file)):
+        return
+    groups, pieces = _saved_pieces(folder, whole_file)
+    mine = [g["count"] for g in groups]
+    theirs = [len(g["params"]) for g in optimizer.param_groups]
+    if mine != theirs:
+        raise ValueError(f"the checkpoint's optimizer has {mine} parameters per param group, this one {theirs}: "
+                         "resume with the same model and optimizer grouping")
+    pieces_of: dict[int, list] = {}
+    for piece in pieces:
+        pieces_of.setdefault(piece[0], []).append(piece)
+    hyper = [{k: v for k, v in g.items() if k != "count"} for g in groups]
+    if is_sharded(optimizer):
+        wanted = optimizer.wanted_ranges()
+        loaded = [(index, start, stop, state) for (index, start, stop) in wanted
+                  if (state := _assemble((index, start, stop), pieces_of)) is not None]
+        optimizer.load_shard_state(loaded, hyper)
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, param in enumerate(params):
+        got = _assemble((index, 0, param.numel()), pieces_of)
+        if got is not None:
+            state[index] = {k: v.view(param.shape) if isinstance(v, torch.Tensor) and k not in COUNT_KEYS
+                            and v.numel() == param.numel() and v.dim() == 1 else v for k, v in got.items()}
+    numbered, at = [], 0
+    for group, saved in zip(optimizer.param_groups, hyper):
+        numbered.append({**saved, "params": list(range(at, at + len(group["params"])))})
+        at += len(group["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": numbered})
+
+
+def stage_shards(output_dir: str, tmp: str, optimizer: Any, comm: Any, is_main: bool) -> str | None:
+    """checkpoint.save_checkpoint's hook: rank 0 makes the temporary folder, every rank writes its shard into
+    it, and every rank learns whether all of them could (the error text, or None)."""
+    error = None
+    if is_main:
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    error = comm.broadcast_object(error, src=0, what="optimizer shards folder")
+    if error is None:
+        try:
+            write_shard(tmp, optimizer, comm.rank, comm.world_size)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, below
+            error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    errors = [e for e in comm.all_gather_object(error, what="optimizer shards written") if e is not None]
+    return "; ".join(errors) or None

@@ -1,0 +1,108 @@
+"""ZeRO stage 2's gradient side, what DistributedDataParallel(zero_stage=2) plugs into its reducer.
+
+While backward runs, each bucket is reduce-scattered (ddpkit.reduction.ReduceScatter): this rank receives the
+average of its flat shard of the bucket, `BucketLayout.shard_pieces(rank)` says which slices of which parameters
+that is. `GradShards` keeps those shards (summed over synchronised backward passes until zero_grad, as .grad
+would be), and drops the parameters' local .grad, so after backward a rank holds 1/N of the gradients. A
+ZeroRedundancyOptimizer built on the module's parameters finds this object on them, steps on the shards and
+all-gathers the updated parameter shards bucket by bucket, asynchronously: they run while the caller does what
+comes between the step and the next forward (the scheduler, zero_grad, the next batch), and the wrapper's
+forward (and the module's own, when called unwrapped) waits for them all. (Waiting per module, for the buckets of its own parameters only, would overlap the
+forward too, but a module may read a parameter it does not own, e.g. a weight tied by hand: not done yet.)
+Reading the module's state_dict waits too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .bucket import Bucket
+from .comm import Comm
+from .reduction import ReduceScatter
+from .zero_partition import Piece, UnitPlan
+
+ATTRIBUTE = "_ddpkit_grad_shards"  # on each parameter: the GradShards that hold its gradient
+STAGES = (0, 2)
+
+
+def check_zero_stage(stage: Any) -> int:
+    if isinstance(stage, bool) or stage not in STAGES:
+        hint = (" (stage 1 shards only the optimizer state: keep zero_stage=0 and use "
+                "ddpkit.ZeroRedundancyOptimizer)") if stage == 1 else ""
+        raise ValueError(f"zero_stage must be 0 (DDP) or 2 (gradients sharded too), got {stage!r}{hint}")
+    return int(stage)
+
+
+class GradShards:
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], comm: Comm):
+        self.comm = comm
+        self.params = params
+        self.reduction = ReduceScatter(comm, on_shard=self._receive)
+        self.buckets: dict[int, Bucket] = {}  # known after the first synchronised backward
+        self.grads: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged shard, accumulated
+        self.used: dict[int, list[bool]] = {}  # bucket index -> per member: some rank gave it a gradient
+        self.consumer: Any = None  # the ZeroRedundancyOptimizer stepping on these shards
+        self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle) of its parameters' all-gather
+        for param in params:
+            setattr(param, ATTRIBUTE, self)
+        # The module called directly (evaluation on the unwrapped model) or its state_dict read (a checkpoint):
+        # both wait for the gathers too.
+        self._hooks = (module.register_forward_pre_hook(lambda *args: self.wait_all()),
+                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+
+    # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
+    def _receive(self, bucket: Bucket, shard: torch.Tensor, everywhere_used: list[bool] | None) -> None:
+        if self.consumer is None:
+            raise RuntimeError("DistributedDataParallel(zero_stage=2) keeps only this rank's shard of the "
+                               "gradients, which only ddpkit.ZeroRedundancyOptimizer can step; build one on the "
+                               "wrapped model's parameters before the first backward (or use zero_stage=0)")
+        index = bucket.index
+        self.buckets.setdefault(index, bucket)
+        used = [everywhere_used is None or everywhere_used[i] for i in bucket.members]
+        if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
+            self.grads[index].add_(shard)
+            self.used[index] = [a or b for a, b in zip(self.used[index], used)]
+        else:
+            # A copy: on gloo the shard is a view of the bucket's storage, which the next backward refills.
+            self.grads[index] = shard.clone()
+            self.used[index] = used
+        for position, param in enumerate(bucket.params):
+            if used[position]:
+                param.grad = None  # this rank's local sum is in the reduced shard now
+
+    def zero_grad(self) -> None:
+        self.grads.clear()
+        self.used.clear()
+
+    def grad_of(self, index: int, offset: int, numel: int, member: int) -> torch.Tensor | None:
+        """The averaged gradient of a shard piece; None when no rank gave that parameter one (it is skipped,
+        as the unsharded optimizer skips a parameter whose .grad is None)."""
+        shard = self.grads.get(index)
+        if shard is None or not self.used[index][member]:
+            return None
+        return shard[offset:offset + numel]
+
+    # -- after the step: parameters gathered bucket by bucket -----------------------------------------------------
+    def add_gather(self, index: int, unit: Any, handle: Any) -> None:
+        self.gathers[index] = (unit, handle)
+
+    def wait(self, index: int) -> None:
+        pending = self.gathers.pop(index, None)
+        if pending is not None:
+            unit, handle = pending
+            unit.finish_gather(handle)
+
+    def wait_all(self) -> None:
+        for index in sorted(self.gathers):
+            self.wait(index)
+
+
+def unit_plan(layout: Any) -> UnitPlan:
+    """A bucket's shards as a ZeRO unit: rank r owns the pieces of its shard, numbered by member position."""
+    position = {member: p for p, member in enumerate(layout.members)}
+    segments = tuple(tuple(Piece(position[s.param], s.start, s.stop, s.shard_offset)
+                           for s in layout.shard_pieces(rank)) for rank in range(layout.shards))
+    return UnitPlan(tuple(layout.numels), segments, layout.shard_numel, whole=False)

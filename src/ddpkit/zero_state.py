@@ -1,0 +1,50 @@
+"""Optimizer state between its shards and torch's whole format.
+
+A rank's local optimizer keys its state by its local tensors: flat slices [start, stop) of parameters (or whole
+parameters under a shape-aware optimizer). A *shard state* names each of them by (global parameter index,
+start, stop) instead, which any world size and any partition can read:
+
+    merge_pieces(pieces, shape, whole)              one parameter's whole state from its pieces
+    slice_state(state, start, stop, shape, whole)   the piece of one parameter's whole state a rank needs
+
+torch's rule decides what is per element: every tensor shaped like the parameter is, except "step", which is a
+count (torch's Optimizer.load_state_dict makes the same exception).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+COUNT_KEYS = ("step",)
+
+
+def merge_pieces(pieces: list[tuple[int, int, dict]], shape: torch.Size, whole: bool) -> dict[str, Any]:
+    """One parameter's whole state from its pieces [(start, stop, state)], given in any order."""
+    pieces = sorted(pieces, key=lambda p: p[0])
+    first = pieces[0][2]
+    if whole:
+        return dict(first)
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        if key not in COUNT_KEYS and isinstance(value, torch.Tensor) and value.dim() == 1 and \
+                value.numel() == pieces[0][1] - pieces[0][0]:
+            merged[key] = torch.cat([state[key] for _, _, state in pieces]).view(shape)
+        else:
+            merged[key] = value  # a count (the same in every piece: they all stepped together) or a number
+    return merged
+
+
+def slice_state(state: dict[str, Any], start: int, stop: int, shape: torch.Size, whole: bool) -> dict[str, Any]:
+    """The part of one parameter's whole state that covers its flat elements [start, stop)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not whole and isinstance(value, torch.Tensor) and key not in COUNT_KEYS and \
+                tuple(value.shape) == tuple(shape):
+            out[key] = value.reshape(-1)[start:stop].clone()
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.clone()
+        else:
+            out[key] = value
+    return out

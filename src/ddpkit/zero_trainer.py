@@ -1,0 +1,36 @@
+"""How the Trainer chooses plain DDP, ZeRO stage 1 or ZeRO stage 2 (`TrainingArguments.ddp_zero_stage`), one small
+function per way, in the manner of torchtitan's parallelize functions:
+
+    ddp_kwargs = zero_ddp_kwargs(stage)                      # what DistributedDataParallel adds for the stage
+    optimizer = apply_zero(groups, stage, torch.optim.AdamW, lr=...)   # the optimizer the stage needs
+    norm = clip_grad_norm(optimizer, params, max_norm)       # global norm: over the shards when sharded
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .zero import ZeroRedundancyOptimizer
+
+
+def zero_ddp_kwargs(stage: int) -> dict[str, Any]:
+    """Stage 2 is chosen on the wrapper (it reduce-scatters the buckets); stages 0 and 1 are plain DDP there."""
+    return {"zero_stage": 2} if stage == 2 else {}
+
+
+def apply_zero(groups: list[dict[str, Any]], stage: int, optimizer_class: type[torch.optim.Optimizer],
+               **defaults: Any) -> torch.optim.Optimizer:
+    """Stage 0: the optimizer itself; stages 1 and 2: each rank keeps the state of its shard only."""
+    if stage == 0:
+        return optimizer_class(groups, **defaults)
+    return ZeroRedundancyOptimizer(groups, optimizer_class, **defaults)
+
+
+def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_, or its sharded form when the optimizer shards (stage 2 leaves no .grad)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return float(optimizer.clip_grad_norm_(max_norm))
+    with_grad = [p for p in params if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm).item() if with_grad else 0.0

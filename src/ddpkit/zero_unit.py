@@ -1,0 +1,121 @@
+"""One unit of a ZeroRedundancyOptimizer at run time: the parameters of one param group with one dtype and
+device, this rank's pieces of them (what its local optimizer steps), and the all-gather that makes every
+replica whole again after the step. The plan (who owns what) is ddpkit.zero_partition's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .comm import Comm
+from .zero_partition import Piece, UnitPlan
+
+
+class Unit:
+    """groups: each parameter's param group. grad_of(piece): where the averaged gradient of a piece is (stage 2:
+    the reducer's shard of a bucket); None: the piece's slice of its parameter's .grad (stage 1)."""
+
+    def __init__(self, name: str, indices: list[int], params: list[torch.nn.Parameter], groups: list[int],
+                 plan: UnitPlan, comm: Comm, bucket_view: bool,
+                 grad_of: Callable[[Piece], torch.Tensor | None] | None = None, index: int = -1):
+        self.name = name
+        self.index = index  # stage 2: the reducer's bucket
+        self.indices = indices  # the parameters' global indices (state_dict numbering)
+        self.params = params
+        self.groups = groups
+        self.plan = plan
+        self.comm = comm
+        self.rank = comm.rank
+        self.grad_of = grad_of or self._param_grad
+        self.mine: tuple[Piece, ...] = plan.segments[comm.rank]
+        self.starts = plan.param_start()
+        self.flat: torch.Tensor | None = None  # parameters_as_bucket_view: the parameters live in it
+        if bucket_view:
+            self._pack()
+        # What the local optimizer holds: the parameter itself for whole pieces of a shape-aware optimizer, a
+        # flat view of its elements otherwise. Updating a view updates the parameter: no copy in, no copy out.
+        self.locals: list[torch.Tensor] = [self._local(piece) for piece in self.mine]
+
+    def _pack(self) -> None:
+        """Move the parameters into one flat buffer laid out as the all-gather leaves it, as views of it."""
+        plan = self.plan
+        flat = torch.zeros(plan.segment_numel * plan.world_size, dtype=self.params[0].dtype,
+                           device=self.params[0].device)
+        with torch.no_grad():
+            for param, start in zip(self.params, self.starts):
+                view = flat[start:start + param.numel()].view_as(param)
+                view.copy_(param)
+                param.data = view
+        self.flat = flat
+
+    def _local(self, piece: Piece) -> torch.Tensor:
+        param = self.params[piece.param]
+        if self.plan.whole:
+            return param
+        if not param.is_contiguous():
+            raise ValueError(f"parameter {self.indices[piece.param]} ({tuple(param.shape)}) is not "
+                             "contiguous, so its flat slices cannot be views of it; make it contiguous "
+                             "(param.data = param.data.contiguous()) before building the optimizer")
+        return param.detach().view(-1)[piece.start:piece.stop]
+
+    # -- around the local step ------------------------------------------------------------------------------------
+    def _param_grad(self, piece: Piece) -> torch.Tensor | None:
+        grad = self.params[piece.param].grad
+        return None if grad is None else grad.detach().reshape(-1)[piece.start:piece.stop]
+
+    def lend_grads(self) -> None:
+        """Give each flat view its averaged gradient (a view: no copy)."""
+        if self.plan.whole:
+            return
+        for piece, local in zip(self.mine, self.locals):
+            local.grad = self.grad_of(piece)
+
+    def take_back_grads(self) -> None:
+        if not self.plan.whole:
+            for local in self.locals:
+                local.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's optimizer reads (its shard), for the global norm."""
+        if self.plan.whole:
+            return [p.grad for p in self.locals if p.grad is not None]
+        return [g for g in map(self.grad_of, self.mine) if g is not None]
+
+    # -- the all-gather -------------------------------------------------------------------------------------------
+    def start_gather(self) -> Any:
+        """Every rank's updated segment into every rank (asynchronously); `finish_gather` takes the handle."""
+        plan = self.plan
+        size = plan.segment_numel
+        if size == 0:
+            return None
+        dtype, device = self.params[0].dtype, self.params[0].device
+        out = self.flat if self.flat is not None else torch.empty(size * plan.world_size, dtype=dtype,
+                                                                    device=device)
+        send = torch.zeros(size, dtype=dtype, device=device)  # a copy: the input must not alias the output
+        if self.mine:
+            dst, src = [], []
+            for piece, local in zip(self.mine, self.locals):
+                dst.append(send[piece.offset:piece.offset + piece.numel])
+                src.append(local.detach().reshape(-1))
+            torch._foreach_copy_(dst, src)
+        work = self.comm.all_gather_into_tensor(out, send, f"zero params, {self.name}", async_op=True)
+        return work, out
+
+    def finish_gather(self, handle: Any) -> None:
+        if handle is None:
+            return
+        work, out = handle
+        self.comm.wait(work)
+        if self.flat is not None:
+            return  # the parameters are views of `out`
+        dst, src = [], []
+        for param, start in zip(self.params, self.starts):
+            n = param.numel()
+            if n:
+                dst.append(param.detach().view(-1) if param.is_contiguous() else param.detach())
+                src.append(out[start:start + n] if param.is_contiguous() else out[start:start + n].view_as(param))
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
