@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import codecs
 import os
-import re
 import shutil
 import threading
 import time

@@ -19,7 +19,6 @@ import time
 import warnings
 from typing import Any
 
-import torch
 
 from .env import console_columns
 

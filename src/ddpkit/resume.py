@@ -15,7 +15,6 @@ The policy, on top of the checkpoint files (ddpkit.checkpoint):
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
