@@ -202,11 +202,8 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     # ZeRO: every rank writes its own slice of the optimizer state into the folder (ddpkit.zero_checkpoint).
     sharded = is_sharded(optimizer)
     if sharded:
-        if world.is_main:
-            os.makedirs(output_dir, exist_ok=True)
-            remove_stale(output_dir)
         tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
-        outcome = stage_shards(output_dir, tmp, optimizer, comm, world.is_main)
+        outcome = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
     if world.is_main and outcome is None:
         try:
             os.makedirs(output_dir, exist_ok=True)
