@@ -26,7 +26,6 @@ never leaves a folder that looks finished but does not load. Loading checks the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -224,12 +223,8 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
     sharded, outcome = is_sharded(optimizer), None
     if sharded:  # ZeRO: every rank writes its own slice of the optimizer state into the folder (zero_checkpoint)
-        if world.is_main:
-            with contextlib.suppress(OSError):  # a folder that cannot be made is reported by stage_shards
-                os.makedirs(output_dir, exist_ok=True)
-                remove_stale(output_dir)
         tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
-        outcome = stage_shards(output_dir, tmp, optimizer, comm, world.is_main)
+        outcome = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
     if world.is_main and outcome is None:
         try:
             os.makedirs(output_dir, exist_ok=True)

@@ -142,12 +142,16 @@ def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> Non
     optimizer.load_state_dict({"state": state, "param_groups": numbered})
 
 
-def stage_shards(output_dir: str, tmp: str, optimizer: Any, comm: Any, is_main: bool) -> str | None:
-    """checkpoint.save_checkpoint's hook: rank 0 makes the temporary folder, every rank writes its shard into
-    it, and every rank learns whether all of them could (the error text, or None)."""
+def stage_shards(tmp: str, optimizer: Any, comm: Any, is_main: bool, prepare: Any = None) -> str | None:
+    """checkpoint.save_checkpoint's hook: rank 0 runs `prepare` (clears stale folders) and makes the temporary
+    folder, every rank writes its shard into it, and every rank learns whether all of them could (the error
+    text, or None), so that a failure on any rank raises on every rank instead of leaving the others waiting."""
     error = None
     if is_main:
         try:
+            os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)
+            if prepare is not None:
+                prepare()
             os.makedirs(tmp)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
