@@ -204,8 +204,14 @@ def test_args_module_imports_only_the_rank_question_of_env():
     # that reads the launcher's variables, and the lowest layer).
     local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
              and line.lstrip().startswith(("import", "from"))]
-    assert local == ["from .env import report_startup_error  # the one module that knows the launcher (rank, "
+    assert local == ["from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
+                     "validate",
+                     "from .env import report_startup_error  # the one module that knows the launcher (rank, "
                      "error file)"], local
+    import ddpkit.validation as checks
+
+    with open(checks.__file__, encoding="utf-8") as f:
+        assert "from ." not in f.read()  # the checks know only the field names
     assert os.path.basename(module.__file__) == "args.py"
 
 

@@ -15,28 +15,15 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import types
 import typing
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-import torch
-import torch.distributed as dist
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-STRATEGIES = ("no", "steps", "epoch")
-DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
-REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none
+from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
-
-class ArgumentError(ValueError):
-    """A training argument is invalid or contradicts another; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def _field(default: Any, help: str, **metadata: Any) -> Any:
@@ -153,110 +140,6 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def _backend_usable(backend: str) -> str | None:
-    """Why `backend` cannot run on this machine, or None when it can (checked without a process group)."""
-    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
-        return "nccl needs CUDA GPUs and a torch build with NCCL; none is visible here (use gloo on CPU)"
-    if backend == "gloo" and not dist.is_gloo_available():
-        return "this torch build has no gloo"
-    if backend == "mpi" and not dist.is_mpi_available():
-        return "this torch build has no MPI support"
-    if backend in ("xccl", "ccl") and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        return f"{backend} needs Intel XPUs, and none is visible"
-    if backend == "hccl" and not hasattr(torch, "npu"):
-        return "hccl needs Ascend NPUs (torch_npu), and none is visible"
-    if backend == "cncl" and not hasattr(torch, "mlu"):
-        return "cncl needs Cambricon MLUs (torch_mlu), and none is visible"
-    if backend == "mccl" and not hasattr(torch, "musa"):
-        return "mccl needs Moore Threads GPUs (torch_musa), and none is visible"
-    if backend == "ucc" and not getattr(dist, "is_ucc_available", lambda: False)():
-        return "this torch build has no UCC support"
-    return None
-
-
-def _unwritable(folder: str) -> str | None:
-    """Why `folder` could not be created or written into, or None (looks only: creates nothing)."""
-    path = os.path.abspath(folder)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    if not os.path.isdir(path):
-        return f"{path} is a file, not a folder"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"no permission to write in {path}"
-    return None
-
-
-def validate(args: TrainingArguments) -> None:
-    """Raise `ArgumentError` for the first invalid value or contradictory combination."""
-
-    def need(ok: bool, field: str, message: str) -> None:
-        if not ok:
-            raise ArgumentError(field, f"{message} (got {getattr(args, field)!r})")
-
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        need(getattr(args, name) >= 1, name, "must be >= 1")
-    for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "warmup_steps"):
-        need(getattr(args, name) >= 0, name, "must be >= 0")
-    for name in ("adam_beta1", "adam_beta2"):
-        need(0 <= getattr(args, name) < 1, name, "must be in [0, 1)")
-    for name in ("learning_rate", "max_grad_norm", "num_train_epochs", "adam_epsilon", "ddp_timeout"):
-        need(math.isfinite(getattr(args, name)), name, "must be finite")
-    need(args.max_steps == -1 or args.max_steps > 0, "max_steps", "must be > 0, or -1 to train by epochs")
-    need(args.max_steps > 0 or args.num_train_epochs > 0, "num_train_epochs",
-         "must be > 0 when max_steps is not set")
-    need(args.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"must be one of {', '.join(SCHEDULERS)}")
-    need(0 <= args.warmup_ratio <= 1, "warmup_ratio", "must be in [0, 1]")
-    for name in ("eval_strategy", "save_strategy"):
-        need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
-    for name in ("logging_steps", "eval_steps", "save_steps"):
-        need(0 < getattr(args, name) < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the "
-                                                       "total steps)")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "warmup_steps"):
-        need(float(getattr(args, name)).is_integer(), name, "must be a whole number")
-    need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
-         "must be >= 1, or unset to keep every checkpoint")
-    need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
-    need(args.data_seed is None or 0 <= args.data_seed < 2**32, "data_seed", "must be in [0, 2**32)")
-    need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
-    need(bool(args.output_dir), "output_dir", "must name a folder")
-    if args.output_dir:
-        problem = _unwritable(args.output_dir)
-        need(problem is None, "output_dir", f"cannot be written: {problem}")
-    unknown = [r for r in args.report_to if r not in (*REPORTERS, "all", "none")]
-    need(not unknown, "report_to", f"ddpkit reports to {', '.join(REPORTERS)}, all or none; unknown: {unknown}")
-    need(not ("none" in args.report_to and len(args.report_to) > 1), "report_to",
-         "'none' cannot be combined with integrations")
-    resume = args.resume_from_checkpoint
-    need(resume in (None, True) or (isinstance(resume, str) and os.path.isdir(resume)), "resume_from_checkpoint",
-         "must be an existing checkpoint folder, or 'true' for the newest in output_dir")
-    # DDP.
-    need(args.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
-    need(args.ddp_stall_seconds is None or 0 <= args.ddp_stall_seconds < args.ddp_timeout, "ddp_stall_seconds",
-         "must be >= 0 and below ddp_timeout (it explains a stall before the timeout ends it)")
-    need(args.ddp_replica_check_steps >= 0, "ddp_replica_check_steps", "must be >= 0 (0: never)")
-    need(args.ddp_zero_stage in (0, 1, 2) and not isinstance(args.ddp_zero_stage, bool), "ddp_zero_stage",
-         "must be 0 (DDP), 1 (optimizer state sharded) or 2 (gradients too)")
-    need(args.ddp_bucket_cap_mb is None or args.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb", "must be > 0 MiB")
-    if args.ddp_backend is not None:
-        need(args.ddp_backend in DDP_BACKENDS, "ddp_backend", f"must be one of {', '.join(DDP_BACKENDS)}")
-        why = _backend_usable(args.ddp_backend)
-        need(why is None, "ddp_backend", f"cannot run here: {why}")
-    # The Transformers guide: with gradient checkpointing the re-run forward marks parameters used twice, which
-    # find_unused_parameters reports as an error, and buffers must not be re-broadcast mid-recomputation.
-    if args.gradient_checkpointing:
-        need(args.ddp_find_unused_parameters is not True, "ddp_find_unused_parameters",
-             "cannot be true together with gradient_checkpointing; leave it unset or set it false")
-        need(args.ddp_broadcast_buffers is not True, "ddp_broadcast_buffers",
-             "cannot be true together with gradient_checkpointing; leave it unset or set it false")
-    if args.bf16:
-        need(torch.cuda.is_available() is False or torch.cuda.is_bf16_supported(), "bf16",
-             "this GPU does not support bfloat16")
 
 
 # -- command line ---------------------------------------------------------------------------------------------

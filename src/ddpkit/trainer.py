@@ -210,9 +210,9 @@ class Trainer:
             self.state.epoch = epoch + min(1.0, consumed / max(1, len(self.train_dataset)))
             self._after_step(run, step_loss, grad_norm, window.samples)
             self._maybe_check_replicas()
+            self.state.should_stop = window.stop  # a scheduled save of this step is the stop's: it says so
             self._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
             if window.stop:
-                self.state.should_stop = True
                 return False
         return False
 

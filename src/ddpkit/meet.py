@@ -1,0 +1,77 @@
+"""Meeting the other processes of the world through torch's rendezvous (a TCPStore), with a check that all came.
+
+    store = rendezvous(info, join_timeout)     # info: what the launcher said (ddpkit.env.LaunchInfo)
+
+A port already in use and a WORLD_SIZE that does not match the processes started fail at once with a message that
+says what to do, instead of a bare timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .env import LaunchInfo
+
+
+class LaunchError(RuntimeError):
+    """The environment the launcher gave does not describe a usable world."""
+
+
+def rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store:
+    """Meet the other processes through torch's rendezvous (TCPStore) and check that all of them came."""
+    if info.launcher == "torchrun":
+        # env:// reads MASTER_ADDR/PORT itself; under TORCHELASTIC_USE_AGENT_STORE it connects to the agent's
+        # store as a client and never binds the port, which the agent already holds.
+        if not info.agent_store and (info.master_addr is None or info.master_port is None):
+            raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
+                              "set both, or start the job with ddpkit launch or torchrun")
+        url = "env://"
+    else:
+        if info.master_addr is None or info.master_port is None:
+            raise LaunchError(f"the {info.launcher} environment gives rank {info.rank} of {info.world_size} but no "
+                              "MASTER_ADDR/MASTER_PORT; export both to the address and a free port of rank 0's host")
+        url = f"tcp://{info.master_addr}:{info.master_port}"
+    where = f"{info.master_addr}:{info.master_port}"
+    try:
+        store, _, _ = next(dist.rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=join_timeout))
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+        text = str(exc)
+        if "address already in use" in text.lower() or "EADDRINUSE" in text:
+            raise LaunchError(f"MASTER_PORT {info.master_port} is already in use on {info.master_addr}: another "
+                              "job or a stale process holds it. Pick a free port (MASTER_PORT, --master-port), "
+                              "or let ddpkit launch choose one") from exc
+        if "waiting for clients" in text or "timed out" in text.lower():
+            raise LaunchError(f"not every process of the world arrived at {where} within "
+                              f"{join_timeout.total_seconds():g} s ({text.strip()}). WORLD_SIZE is "
+                              f"{info.world_size}: start exactly that many processes (ddpkit launch "
+                              "--nproc-per-node N), or check that every node can reach MASTER_ADDR") from exc
+        raise
+    if info.agent_store:
+        # The agent's store outlives a restart: keys the failed attempt left (gloo's peer addresses) must not be
+        # read by the restarted workers.
+        store = dist.PrefixStore(f"ddpkit/attempt_{info.restart}/", store)
+    _wait_for_everyone(store, info, join_timeout)
+    return store
+
+
+def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: datetime.timedelta) -> None:
+    """Every process counts itself in; too few within the join timeout is a launch error. (Too many cannot be
+    told from a second init in the same job: a rank >= WORLD_SIZE is caught when the environment is read.)"""
+    key = f"ddpkit/joined/{info.restart}"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + join_timeout.total_seconds()
+    while arrived < info.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
+    if arrived < info.world_size:
+        raise LaunchError(f"only {arrived} of the {info.world_size} processes that WORLD_SIZE announces joined "
+                          f"within {join_timeout.total_seconds():g} s. Start exactly WORLD_SIZE processes "
+                          "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE")
+
+
+__all__ = ["LaunchError", "rendezvous"]
