@@ -469,3 +469,17 @@ def test_trainer_stages_resume_across_stages_and_world_sizes(tmp_path):
                 f"{label}, step {step}: {got[step]} against stage 2's uninterrupted {(loss, norm)}"
     files = os.listdir(f"{out}/z2/checkpoint-4")
     assert "optimizer.pt" not in files and {"optimizer_shard_0.pt", "optimizer_shard_1.pt"} <= set(files)
+
+
+def join_under_stage_2(world):
+    import ddpkit
+
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 4), zero_stage=2)
+    with pytest.raises(NotImplementedError, match="zero_stage=2"):
+        model.join()
+    model.join(enable=False)  # disabled: nothing to refuse
+    return True
+
+
+def test_join_is_refused_under_stage_2_until_it_is_supported():
+    assert run_world(join_under_stage_2, 2) == [True, True]
