@@ -30,6 +30,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Comm
 from .reducer import DEFAULT_BUCKET_CAP_MB, CommHook, Reducer
+from .timeline import recorder_for
+from .timeline_record import FORWARD, NULL_RECORDER
 
 
 class DistributedDataParallel(TorchDDP):
@@ -87,6 +89,7 @@ class DistributedDataParallel(TorchDDP):
         if self._comm.distributed:
             self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
                                    gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+            self.reducer.recorder = recorder_for(self._comm)  # the timeline, when one records (else a no-op)
             self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
             self._reached: set[int] = set()
             self._reached_window = -1
@@ -101,7 +104,8 @@ class DistributedDataParallel(TorchDDP):
 
     # -- the forward skeleton ------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+        recorder = self.reducer.recorder if self.reducer is not None else NULL_RECORDER
+        with recorder.span(FORWARD, "forward"):  # also torch's record_function of that name, under a profiler
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             output = self.module(*inputs, **kwargs)
             return self._post_forward(output)

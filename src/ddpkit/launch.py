@@ -88,6 +88,8 @@ OPTIONS = (
     Option(("--role",), "role name of the workers (ROLE_NAME)", "default"),
     Option(("-m", "--module"), "run the script as a module, as `python -m`", switch=True),
     Option(("--no-python", "--no_python"), "run the script as a program, without python", switch=True),
+    Option(("--timeline",), "record every rank's steps into this Chrome trace file and print where the time went"),
+    Option(("--timeline-steps", "--timeline_steps"), "optimizer steps A:B the timeline records (default: 3:8)"),
 )
 
 
@@ -271,8 +273,19 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         log_dir=opts["log_dir"],
         local_addr=opts["local_addr"],
         role=opts["role"],
-        worker_env=worker_env_additions(nproc, loopback, env),
+        worker_env={**worker_env_additions(nproc, loopback, env), **_timeline_env(opts)},
     )
+
+
+def _timeline_env(opts: Mapping[str, Any]) -> dict[str, str]:
+    """DDPKIT_TIMELINE for the workers (read back by ddpkit.env.timeline_request) when --timeline asks."""
+    from .timeline_spec import ENV_VAR, encode
+
+    if not opts["timeline"]:
+        if opts["timeline_steps"]:
+            raise ValueError("--timeline-steps needs --timeline FILE, the trace to write")
+        return {}
+    return {ENV_VAR: encode(opts["timeline"], opts["timeline_steps"])}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 from torch.autograd import Variable
 
 from .comm import Comm
+from .timeline_record import BACKWARD, BUCKET_READY, FIRST_GRAD, NULL_RECORDER, copy_in
 
 # torch's default bucket size; the first bucket is small because its gradients (the last layers') are ready
 # first and launching it early starts communication sooner (torch makes the same choice, 1 MiB).
@@ -216,6 +217,8 @@ class Reducer:
         self.view_of: list[torch.Tensor | None] = [None] * n
         self.windows = 0
         self.launched_during_backward = 0  # buckets of the current/last window launched before its finalize
+        self.recorder = NULL_RECORDER  # the timeline, when one records (set by the DDP wrapper)
+        self._backward_began: float | None = None
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
 
@@ -230,6 +233,7 @@ class Reducer:
                 return
             self._abandon()  # the previous backward raised before its finalize ran
         self.armed = True
+        self._backward_began = self.recorder.begin()
         self.sync = False
         self.graph_task = task
         if sync:
@@ -288,8 +292,12 @@ class Reducer:
             if self.eager[index] and self.comm_hook is None:
                 self._fill_one(index)
             bucket = self.buckets[self.bucket_of[index]]
+            if self.recorder.active and bucket.pending == len(bucket.members):
+                self.recorder.instant(FIRST_GRAD, "bucket", {"bucket": bucket.public.index()})
             bucket.pending -= 1
             if bucket.pending == 0:
+                if self.recorder.active:
+                    self.recorder.instant(BUCKET_READY, "bucket", {"bucket": bucket.public.index()})
                 self._launch_ready()
         elif count > expected:
             bucket = self.buckets[self.bucket_of[index]]
@@ -339,7 +347,8 @@ class Reducer:
     def _launch(self, bucket: _Bucket) -> None:
         self.next_launch += 1
         bucket.launched = True
-        with torch.no_grad():
+        index = bucket.public.index()
+        with torch.no_grad(), self.recorder.span(copy_in(index), "copy", {"bucket": index}):
             self._fill(bucket, divide=self.comm_hook is None)
             if bucket.flags is not None:
                 # The last bucket launches after every other one, so every use of this window is known here.
@@ -400,6 +409,7 @@ class Reducer:
     def _finalize(self) -> None:
         self._close()
         if not self.sync:
+            self.recorder.end(BACKWARD, "backward", self._backward_began)
             return  # no_sync: gradients stay local and keep accumulating; their uses are remembered
         self.windows += 1
         if self.learning:
@@ -418,6 +428,7 @@ class Reducer:
                 self._write_back(bucket, everywhere_used)
         self.used = [False] * len(self.params)
         self.num_used = 0
+        self.recorder.end(BACKWARD, "backward", self._backward_began)
 
     def _write_back(self, bucket: _Bucket, everywhere_used: list[bool] | None) -> None:
         if everywhere_used is None and not self.gradient_as_bucket_view:
