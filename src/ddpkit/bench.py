@@ -174,6 +174,7 @@ class BenchConfig:
     lr: float = 1e-3  # SGD; small so that many steps on one fixed batch stay finite
     timeout_s: float = 600.0  # deadline for the whole run, every world included
     inspector: bool = False  # add "inspected": ddpkit's DDP with the stall inspector watching its collectives
+    timeline: bool = False  # add "timeline": ddpkit's DDP recording a timeline of every step (timeline.py)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.models) - set(WORKLOADS))
@@ -196,7 +197,7 @@ class BenchConfig:
 
 # -- one rank: build, warm up, time interleaved rounds ---------------------------------------------------------------
 def variants_of(cfg: BenchConfig) -> tuple[str, ...]:
-    return VARIANTS + (("inspected",) if cfg.inspector else ())
+    return VARIANTS + (("inspected",) if cfg.inspector else ()) + (("timeline",) if cfg.timeline else ())
 
 
 def round_order(round_index: int, variants: Sequence[str] = VARIANTS) -> list[str]:
@@ -209,7 +210,7 @@ def _make_variant(variant: str, workload: Workload, cfg: BenchConfig) -> tuple[n
     torch.manual_seed(cfg.seed)  # the same initial weights in every variant and on every rank
     model = workload.build()
     kwargs = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
-    if variant in ("ddpkit", "inspected"):
+    if variant in ("ddpkit", "inspected", "timeline"):
         model = DistributedDataParallel(model, **kwargs)
     elif variant == "torch":
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
@@ -237,8 +238,10 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     # The inspector's thread runs all along (about one store write a second); what differs between "ddpkit" and
     # "inspected" is whether its collectives are reported to it, which is the cost on the step's path.
     monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None
+    timeline = _timeline_variant(runs["timeline"], world) if cfg.timeline else None
+    observers = {"inspected": [monitor], "timeline": [timeline]}
     for variant in variants:
-        comm.observers = [monitor] if variant == "inspected" else []
+        comm.observers = observers.get(variant, [])
         for _ in range(cfg.warmup):
             _step(*runs[variant], workload, batch)
     wall: dict[str, list[list[float]]] = {v: [] for v in variants}
@@ -246,7 +249,7 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     for r in range(cfg.repeats):
         for variant in round_order(r, variants):
             barrier(world)
-            comm.observers = [monitor] if variant == "inspected" else []
+            comm.observers = observers.get(variant, [])
             block = [_step(*runs[variant], workload, batch) for _ in range(cfg.steps)]
             wall[variant].append([w for w, _ in block])
             cpu[variant].append([c for _, c in block])
@@ -259,6 +262,20 @@ def measure_model(name: str, world, cfg: BenchConfig) -> dict[str, Any]:
     if bad:  # a diverged model runs on denormals and NaNs, whose speed says nothing about the wrapper
         raise FloatingPointError(f"{name}: the loss became non-finite ({bad}); lower --lr or the number of steps")
     return {"params": sum(p.numel() for p in params), "tensors": len(params), "wall": wall, "cpu": cpu}
+
+
+def _timeline_variant(run: tuple[nn.Module, torch.optim.Optimizer], world) -> Any:
+    """A timeline recording every step of this variant only: its reducer records into it, its optimizer's steps
+    delimit the timeline's (the hooks a real run registers globally), and it is its Comm's observer while it runs."""
+    from .timeline import Timeline
+
+    model, optimizer = run
+    timeline = Timeline(world.rank, world.world_size)
+    if model.reducer is not None:
+        model.reducer.recorder = timeline
+    optimizer.register_step_pre_hook(timeline._before_optimizer)
+    optimizer.register_step_post_hook(timeline._after_optimizer)
+    return timeline
 
 
 def _rank_main(rank: int, world_size: int, port: int, cfg: BenchConfig, results) -> None:
@@ -358,7 +375,7 @@ def summarise(world_size: int, name: str, measured: dict[str, Any]) -> dict[str,
     for clock, prefix in (("wall", ""), ("cpu", "cpu_")):
         steps = measured[clock]
         variants = list(steps)
-        ratios = RATIOS + ((("inspected", "ddpkit"),) if "inspected" in steps else ())
+        ratios = RATIOS + tuple((v, "ddpkit") for v in ("inspected", "timeline") if v in steps)
         round_ms = {v: [1e3 * statistics.median(block) for block in steps[v]] for v in variants}
         row[prefix + "median_ms"] = {v: 1e3 * statistics.median([t for block in steps[v] for t in block])
                                      for v in variants}
@@ -388,12 +405,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{row['world_size']:>5}  {row['model']:<11} {_count(row['params']):>6} {row['tensors']:>7}  "
                      f"{ms['ddpkit']:>9.2f} {ms['torch']:>9.2f} {ms['bare']:>8.2f}  {wall[0]:<21} {wall[1]:<21} "
                      f"{cpu[0]:>7} {cpu[1]:>7}")
-    inspected = [row for row in rows if "inspected/ddpkit" in row["ratios"]]
-    if inspected:
-        lines.append("")
-        lines.append("stall inspector on vs off (inspected/ddpkit: wall [min-max over rounds], cpu)")
-        for row in inspected:
-            wall, cpu = row["ratios"]["inspected/ddpkit"], row["cpu_ratios"]["inspected/ddpkit"]
+    for variant, what in (("inspected", "stall inspector"), ("timeline", "timeline")):
+        found = [row for row in rows if f"{variant}/ddpkit" in row["ratios"]]
+        if found:
+            lines.append("")
+            lines.append(f"{what} on vs off ({variant}/ddpkit: wall [min-max over rounds], cpu)")
+        for row in found:
+            wall, cpu = row["ratios"][f"{variant}/ddpkit"], row["cpu_ratios"][f"{variant}/ddpkit"]
             lines.append(f"{row['world_size']:>5}  {row['model']:<11} {wall['median']:.3f} "
                          f"[{wall['min']:.2f}-{wall['max']:.2f}]  cpu {cpu['median']:.3f}")
     return "\n".join(lines)
@@ -466,6 +484,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--inspector", action="store_true",
                         help="also time ddpkit's DDP with the stall inspector on, against it off")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also time ddpkit's DDP recording a timeline of every step, against it off")
     args = parser.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its directory does not exist")  # before minutes of measuring, not after
@@ -473,7 +493,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         cfg = BenchConfig(world_size=args.world_size, single=args.single, models=tuple(dict.fromkeys(args.models)),
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                           bucket_cap_mb=args.bucket_cap_mb, threads=args.threads, seed=args.seed,
-                          timeout_s=args.timeout, inspector=args.inspector)
+                          timeout_s=args.timeout, inspector=args.inspector,
+                          timeline=args.timeline)
     except ValueError as exc:
         parser.error(str(exc))
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr,

@@ -211,7 +211,7 @@ def recorder_for(comm: Any) -> NullRecorder:
     asked for (DDPKIT_TIMELINE, attached now: every rank must call this at the same point, as wrapping a model
     in DistributedDataParallel is), else NULL_RECORDER."""
     for observer in comm.observers:
-        if isinstance(observer, Timeline):
+        if isinstance(observer, Timeline) and not observer.done:
             return observer
     request = env.timeline_request()
     if request is None or not comm.active:

@@ -3,7 +3,8 @@
 Per rank and step (the step's span on the compute track; times in ms):
   compute    the main thread busy in a recorded phase (forward, backward, copies, optimizer, evaluation, saves),
              less the time it waited on a collective or on the data loader inside them
-  comm       a collective in flight (issued, not yet finished)
+  comm       a collective in flight (issued, not yet finished), or the main thread waiting on one (a wait outlasts
+             its collective by the time the woken thread takes to run again, milliseconds on a busy CPU)
   exposed    communication while the main thread computed nothing: what communication added to the step
   overlap    the share of communication hidden behind compute: 100 * (comm - exposed) / comm
   optimizer  inside optimizer.step();  data wait: blocked on the data loader;  sent: bytes given to collectives
@@ -91,7 +92,7 @@ def step_row(mine: dict[str, list], a: float, b: float) -> dict[str, float]:
     """One rank's numbers for the step spanning [a, b] ms."""
     idle = union(mine["wait"] + mine["data"])
     busy = clip(subtract(union(mine["busy"]), idle), a, b)
-    comm = clip(union((x, y) for x, y, _ in mine["comm"]), a, b)
+    comm = clip(union([(x, y) for x, y, _ in mine["comm"]] + mine["wait"]), a, b)
     data = clip(union(mine["data"]), a, b)
     exposed = length(subtract(comm, busy))
     row = {"step_ms": b - a, "compute_ms": length(busy), "comm_ms": length(comm), "exposed_comm_ms": exposed,
