@@ -310,3 +310,38 @@ def test_launch_writes_one_merged_trace(tmp_path):
     summary = json.loads(Path(timeline_spec.summary_path(str(trace_path))).read_text())
     assert [s["step"] for s in summary["steps"]] == [2, 3, 4]
     assert cli.main(["timeline", str(trace_path)]) == 0
+
+
+def _trainer_run(world, out):
+    import torch
+    from torch import nn
+
+    from ddpkit import Trainer, TrainingArguments
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x, labels=None):
+            logits = self.lin(x)
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    data = [{"x": torch.randn(4), "labels": torch.tensor(i % 2)} for i in range(32)]
+    args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, eval_strategy="steps",
+                             eval_steps=2, save_steps=2, logging_steps=100, disable_tqdm=True,
+                             ddp_timeline_steps="3:3")
+    trainer = Trainer(Net(), args, train_dataset=data, eval_dataset=data[:8])
+    trainer.train()
+    return trainer.timeline.summary
+
+
+def test_trainer_records_its_own_phases(tmp_path):
+    (summary,) = run_world(_trainer_run, 1, args=(str(tmp_path),), deadline_s=120)
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    cats = {e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
+    # Step 3 began when step 2's optimizer step ended: the evaluation and checkpoint due at step 2 are in it.
+    assert {"step", "data", "optimizer", "evaluation", "checkpoint"} <= cats
+    assert [s["step"] for s in summary["steps"]] == [3]
+    row = summary["steps"][0]["per_rank"]["0"]
+    assert row["data_wait_ms"] > 0 and row["compute_ms"] > row["optimizer_ms"] > 0
