@@ -484,8 +484,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--inspector", action="store_true",
                         help="also time ddpkit's DDP with the stall inspector on, against it off")
-    parser.add_argument("--timeline", action="store_true",
-                        help="also time ddpkit's DDP recording a timeline of every step, against it off")
+    parser.add_argument("--timeline", action="store_true", help="also time ddpkit's DDP recording a timeline")
     args = parser.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its directory does not exist")  # before minutes of measuring, not after
@@ -493,8 +492,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         cfg = BenchConfig(world_size=args.world_size, single=args.single, models=tuple(dict.fromkeys(args.models)),
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                           bucket_cap_mb=args.bucket_cap_mb, threads=args.threads, seed=args.seed,
-                          timeout_s=args.timeout, inspector=args.inspector,
-                          timeline=args.timeline)
+                          timeout_s=args.timeout, inspector=args.inspector, timeline=args.timeline)
     except ValueError as exc:
         parser.error(str(exc))
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr,

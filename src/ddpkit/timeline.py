@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import env, timeline_clock, timeline_summary, timeline_trace
-from .timeline_record import CHECKPOINT, DATA_WAIT, EVALUATION, NULL_RECORDER, NullRecorder, optimizer_step, profiled
+from .timeline_record import (CHECKPOINT, DATA_WAIT, EVALUATION, NULL_RECORDER, NullRecorder, optimizer_step,
+                              profiled)
 from .timeline_spec import parse_steps, summary_path
 
 COMPUTE, COMM = timeline_trace.COMPUTE, timeline_trace.COMM

@@ -205,5 +205,6 @@ def format_summary(summary: dict[str, Any]) -> str:
                      "first rank")
         for b in summary["buckets"]:
             lines.append(f"  bucket {b['bucket']}: rank {b['last_rank']} last in {b['times_last']} of "
-                         f"{b['launches']} launches, {b['late_ms']:.2f} ms late on average (worst {b['max_late_ms']:.2f})")
+                         f"{b['launches']} launches, {b['late_ms']:.2f} ms late on average "
+                         f"(worst {b['max_late_ms']:.2f})")
     return "\n".join(lines)
