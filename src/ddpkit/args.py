@@ -96,6 +96,8 @@ class TrainingArguments:
                                                    "default: ddp_timeout/5, at most 60.")
     ddp_replica_check_steps: int = _field(500, "Every this many optimizer steps, check that every replica is "
                                                "bitwise identical to rank 0's; 0: never.")
+    ddp_timeline_steps: str | None = _field(None, "Record optimizer steps A:B (both included, e.g. 3:8) of every "
+                                                  "rank into output_dir/timeline.json, a Chrome trace; print a summary.")
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
@@ -236,6 +238,9 @@ def validate(args: TrainingArguments) -> None:
     need(args.ddp_stall_seconds is None or 0 <= args.ddp_stall_seconds < args.ddp_timeout, "ddp_stall_seconds",
          "must be >= 0 and below ddp_timeout (it explains a stall before the timeout ends it)")
     need(args.ddp_replica_check_steps >= 0, "ddp_replica_check_steps", "must be >= 0 (0: never)")
+    steps = (args.ddp_timeline_steps or "1:1").split(":")
+    need(len(steps) == 2 and all(s.strip().isdigit() and int(s) >= 1 for s in steps) and int(steps[0]) <= int(
+        steps[1]), "ddp_timeline_steps", "must be A:B with 1 <= A <= B (optimizer steps, both included)")
     need(args.ddp_bucket_cap_mb is None or args.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb", "must be > 0 MiB")
     if args.ddp_backend is not None:
         need(args.ddp_backend in DDP_BACKENDS, "ddp_backend", f"must be one of {', '.join(DDP_BACKENDS)}")

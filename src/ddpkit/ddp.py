@@ -33,6 +33,8 @@ from . import ddp_checks as checks
 from .comm import Comm
 from .ddp_surface import TorchSurface, install_refusals
 from .reducer import CommHook, Reducer
+from .timeline import recorder_for
+from .timeline_record import FORWARD, NULL_RECORDER
 
 
 class DistributedDataParallel(TorchSurface, TorchDDP):
@@ -103,6 +105,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         named = self._named_trainable()
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
                                self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync)
+        self.reducer.recorder = recorder_for(self._comm)  # the timeline, when one records (else a no-op)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
         self._reached: set[int] = set()
         self._reached_window = -1
@@ -153,7 +156,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     # whose file Dynamo skips), only the frames it calls: torch.compile(ddp) compiles the wrapped module.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+        recorder = self.reducer.recorder if self.reducer is not None else NULL_RECORDER
+        with recorder.span(FORWARD, "forward"):  # also torch's record_function of that name, under a profiler
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             output = self._run_ddp_forward(*inputs, **kwargs)
             return self._post_forward(output)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .errors import ERROR_FILE_VAR, install_worker_excepthook, message_record, write_error_file
 from .orphan import watch_parent
+from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
@@ -377,6 +378,12 @@ def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: dateti
         raise LaunchError(f"only {arrived} of the {info.world_size} processes that WORLD_SIZE announces joined "
                           f"within {join_timeout.total_seconds():g} s. Start exactly WORLD_SIZE processes "
                           "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE")
+
+
+def timeline_request(environ: Mapping[str, str] | None = None) -> tuple[str, tuple[int, int]] | None:
+    """What `ddpkit launch --timeline FILE --timeline-steps A:B` asked for: (FILE, (A, B)), or None."""
+    value = (os.environ if environ is None else environ).get(TIMELINE_VAR)
+    return decode_timeline(value) if value else None
 
 
 def single_process_env(device: torch.device | str = "cpu") -> DistEnv:
