@@ -81,16 +81,19 @@ def test_smoke_two_ranks_and_one(tmp_path, capsys):
     assert "ddpkit/torch" in out and out.count("many-small") == 2
 
 
-def test_smoke_inspector_on_against_off(tmp_path, capsys):
+def test_smoke_inspector_and_timeline_on_against_off(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = bench.main(["--world-size", "2", "--no-single", "--models", "many-small", "--steps", "2", "--warmup",
-                       "1", "--repeats", "2", "--timeout", "240", "--quiet", "--inspector", "--json", str(path)])
+                       "1", "--repeats", "2", "--timeout", "240", "--quiet", "--inspector", "--timeline", "--json",
+                       str(path)])
     assert code == 0
     (row,) = json.loads(path.read_text())["results"]
-    assert set(row["median_ms"]) == {*bench.VARIANTS, "inspected"}
-    ratio = row["cpu_ratios"]["inspected/ddpkit"]
-    assert all(math.isfinite(v) and v > 0 for v in ratio["rounds"]), ratio
-    assert "stall inspector on vs off" in capsys.readouterr().out
+    assert set(row["median_ms"]) == {*bench.VARIANTS, "inspected", "timeline"}
+    for variant in ("inspected", "timeline"):
+        ratio = row["cpu_ratios"][f"{variant}/ddpkit"]
+        assert all(math.isfinite(v) and v > 0 for v in ratio["rounds"]), ratio
+    out = capsys.readouterr().out
+    assert "stall inspector on vs off" in out and "timeline on vs off" in out
 
 
 def test_deadline_stops_every_rank(capsys):

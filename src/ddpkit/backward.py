@@ -13,10 +13,11 @@ class Window:
     """One backward pass, from its first autograd node to its finalize."""
 
     __slots__ = ("graph_task", "open", "sync", "divisor", "fires", "filled", "fired_order", "pending",
-                 "next_launch", "launched_during_backward", "inflight", "usage", "usage_counts", "number")
+                 "next_launch", "launched_during_backward", "inflight", "usage", "usage_counts", "number", "began")
 
-    def __init__(self, graph_task: int):
+    def __init__(self, graph_task: int, began: float | None = None):
         self.graph_task = graph_task  # the autograd graph task that opened it
+        self.began = began  # the timeline's start of this backward (None when no timeline records)
         self.open = True  # until its finalize ran (or the next backward found it abandoned)
         self.sync = False
         self.usage: Any = None  # the usage-count collective in flight (see Reducer._launch_usage)

@@ -66,6 +66,7 @@ class BenchConfig:
     lr: float = 1e-3  # SGD; small so that many steps on one fixed batch stay finite
     timeout_s: float = 600.0  # deadline for the whole run, every world included
     inspector: bool = False  # add "inspected": ddpkit's DDP with the stall inspector watching its collectives
+    timeline: bool = False  # add "timeline": ddpkit's DDP recording a timeline of every step (timeline.py)
     compile: str | None = None  # a torch.compile backend applied to every variant (compile(wrapper)); None: eager
 
     def __post_init__(self) -> None:
@@ -210,6 +211,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--inspector", action="store_true",
                         help="also time ddpkit's DDP with the stall inspector on, against it off")
+    parser.add_argument("--timeline", action="store_true", help="also time ddpkit's DDP recording a timeline")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="torch.compile every variant (the wrapper: compile(DDP(model))) with BACKEND "
                              "(default inductor; aot_eager compiles much faster); warm-up steps include compiling")
@@ -230,7 +232,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         cfg = BenchConfig(world_size=args.world_size, single=args.single, models=tuple(dict.fromkeys(args.models)),
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                           bucket_cap_mb=args.bucket_cap_mb, threads=args.threads, seed=args.seed,
-                          timeout_s=args.timeout, inspector=args.inspector, compile=args.compile)
+                          timeout_s=args.timeout, inspector=args.inspector, timeline=args.timeline,
+                          compile=args.compile)
     except ValueError as exc:
         parser.error(str(exc))
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr,

@@ -23,7 +23,7 @@ VARIANTS = ("ddpkit", "torch", "bare")
 
 
 def variants_of(cfg) -> tuple[str, ...]:
-    return VARIANTS + (("inspected",) if cfg.inspector else ())
+    return VARIANTS + (("inspected",) if cfg.inspector else ()) + (("timeline",) if cfg.timeline else ())
 
 
 def round_order(round_index: int, variants: Sequence[str] = VARIANTS) -> list[str]:
@@ -36,7 +36,7 @@ def _make_variant(variant: str, workload: Workload, cfg) -> tuple[nn.Module, tor
     torch.manual_seed(cfg.seed)  # the same initial weights in every variant and on every rank
     model = workload.build()
     kwargs = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
-    if variant in ("ddpkit", "inspected"):
+    if variant in ("ddpkit", "inspected", "timeline"):
         model = DistributedDataParallel(model, **kwargs)
     elif variant == "torch":
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
@@ -68,8 +68,10 @@ def measure_model(name: str, world, cfg) -> dict[str, Any]:
     # The inspector's thread runs all along (about one store write a second); what differs between "ddpkit" and
     # "inspected" is whether its collectives are reported to it, which is the cost on the step's path.
     monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None
+    timeline = _timeline_variant(runs["timeline"], world) if cfg.timeline else None
+    observers = {"inspected": [monitor], "timeline": [timeline]}
     for variant in variants:
-        comm.observers = [monitor] if variant == "inspected" else []
+        comm.observers = observers.get(variant, [])
         for _ in range(cfg.warmup):
             _step(*runs[variant], workload, batch)
     wall: dict[str, list[list[float]]] = {v: [] for v in variants}
@@ -77,11 +79,11 @@ def measure_model(name: str, world, cfg) -> dict[str, Any]:
     for r in range(cfg.repeats):
         for variant in round_order(r, variants):
             barrier(world)
-            comm.observers = [monitor] if variant == "inspected" else []
+            comm.observers = observers.get(variant, [])
             block = [_step(*runs[variant], workload, batch) for _ in range(cfg.steps)]
             wall[variant].append([w for w, _ in block])
             cpu[variant].append([c for _, c in block])
-    comm.observers = [monitor] if monitor is not None else []
+    comm.observers = [o for o in (monitor, timeline) if o is not None]
     comm.close_observers()
     params = list(runs["bare"][0].parameters())
     with torch.no_grad():
@@ -90,6 +92,21 @@ def measure_model(name: str, world, cfg) -> dict[str, Any]:
     if bad:  # a diverged model runs on denormals and NaNs, whose speed says nothing about the wrapper
         raise FloatingPointError(f"{name}: the loss became non-finite ({bad}); lower --lr or the number of steps")
     return {"params": sum(p.numel() for p in params), "tensors": len(params), "wall": wall, "cpu": cpu}
+
+
+def _timeline_variant(run: tuple[nn.Module, torch.optim.Optimizer], world) -> Any:
+    """A timeline recording every step of this variant only: its reducer records into it, its optimizer's steps
+    delimit the timeline's (the hooks a real run registers globally), and it is its Comm's observer while it runs."""
+    from .timeline import Timeline
+
+    model, optimizer = run
+    timeline = Timeline(world.rank, world.world_size)
+    reducer = getattr(model, "reducer", None)  # through torch.compile's wrapper too; None in a world of one
+    if reducer is not None:
+        reducer.recorder = timeline
+    optimizer.register_step_pre_hook(timeline._before_optimizer)
+    optimizer.register_step_post_hook(timeline._after_optimizer)
+    return timeline
 
 
 def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:

@@ -18,7 +18,7 @@ def summarise(world_size: int, name: str, measured: dict[str, Any]) -> dict[str,
     for clock, prefix in (("wall", ""), ("cpu", "cpu_")):
         steps = measured[clock]
         variants = list(steps)
-        ratios = RATIOS + ((("inspected", "ddpkit"),) if "inspected" in steps else ())
+        ratios = RATIOS + tuple((v, "ddpkit") for v in ("inspected", "timeline") if v in steps)
         round_ms = {v: [1e3 * statistics.median(block) for block in steps[v]] for v in variants}
         row[prefix + "median_ms"] = {v: 1e3 * statistics.median([t for block in steps[v] for t in block])
                                      for v in variants}
@@ -48,12 +48,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{row['world_size']:>5}  {row['model']:<11} {_count(row['params']):>6} {row['tensors']:>7}  "
                      f"{ms['ddpkit']:>9.2f} {ms['torch']:>9.2f} {ms['bare']:>8.2f}  {wall[0]:<21} {wall[1]:<21} "
                      f"{cpu[0]:>7} {cpu[1]:>7}")
-    inspected = [row for row in rows if "inspected/ddpkit" in row["ratios"]]
-    if inspected:
-        lines.append("")
-        lines.append("stall inspector on vs off (inspected/ddpkit: wall [min-max over rounds], cpu)")
-        for row in inspected:
-            wall, cpu = row["ratios"]["inspected/ddpkit"], row["cpu_ratios"]["inspected/ddpkit"]
+    for variant, what in (("inspected", "stall inspector"), ("timeline", "timeline")):
+        found = [row for row in rows if f"{variant}/ddpkit" in row["ratios"]]
+        if found:
+            lines.append("")
+            lines.append(f"{what} on vs off ({variant}/ddpkit: wall [min-max over rounds], cpu)")
+        for row in found:
+            wall, cpu = row["ratios"][f"{variant}/ddpkit"], row["cpu_ratios"][f"{variant}/ddpkit"]
             lines.append(f"{row['world_size']:>5}  {row['model']:<11} {wall['median']:.3f} "
                          f"[{wall['min']:.2f}-{wall['max']:.2f}]  cpu {cpu['median']:.3f}")
     return "\n".join(lines)

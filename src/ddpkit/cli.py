@@ -2,6 +2,7 @@
 
     ddpkit launch --nproc-per-node 2 train.py      # or: python -m ddpkit launch ...
     ddpkit bench --models mlp many-small           # per-step time against torch's DDP
+    ddpkit timeline t.json --png steps.png         # the summary of a trace written by launch --timeline
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import launch
+from . import launch, timeline_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Each subcommand sets `handler`, a function of the parsed arguments that returns the exit status.
     launch.add_subcommand(subparsers)
+    timeline_cli.add_subcommand(subparsers)
     # `ddpkit bench ...` is handed whole to bench.main (see main), which owns its options and --help.
     subparsers.add_parser("bench", add_help=False, help="per-step time of ddpkit's DDP against torch's")
     return parser

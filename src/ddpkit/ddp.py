@@ -36,6 +36,8 @@ from .ddp_surface import TorchSurface, install_refusals
 from .join import Join, training_forward
 from .zero_grads import GradShards, check_zero_stage
 from .reducer import CommHook, Reducer
+from .timeline import recorder_for
+from .timeline_record import FORWARD, NULL_RECORDER
 
 
 class DistributedDataParallel(TorchSurface, TorchDDP):
@@ -112,6 +114,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
                                self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync,
                                reduction=self._grad_shards.reduction if self._grad_shards else None)
+        self.reducer.recorder = recorder_for(self._comm)  # the timeline, when one records (else a no-op)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
         self._reached: set[int] = set()
         self._reached_window = -1
@@ -170,7 +173,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     # whose file Dynamo skips), only the frames it calls: torch.compile(ddp) compiles the wrapped module.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+        recorder = self.reducer.recorder if self.reducer is not None else NULL_RECORDER
+        with recorder.span(FORWARD, "forward"):  # also torch's record_function of that name, under a profiler
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             output = self._run_ddp_forward(*inputs, **kwargs)
             return self._post_forward(output)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .errors import ERROR_FILE_VAR, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
 from .orphan import watch_parent
+from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
@@ -321,6 +322,12 @@ def init_process_group(
         dist.init_process_group(store=store, rank=info.rank, world_size=info.world_size, **kwargs)
     return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
                    info.launcher, info.restart)
+
+
+def timeline_request(environ: Mapping[str, str] | None = None) -> tuple[str, tuple[int, int]] | None:
+    """What `ddpkit launch --timeline FILE --timeline-steps A:B` asked for: (FILE, (A, B)), or None."""
+    value = (os.environ if environ is None else environ).get(TIMELINE_VAR)
+    return decode_timeline(value) if value else None
 
 
 def single_process_env(device: torch.device | str = "cpu") -> DistEnv:

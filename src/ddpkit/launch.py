@@ -17,7 +17,9 @@ and error files are torchelastic's own; ddpkit adds, each in its own module:
      (ddpkit.console), a progress bar's carriage returns included, so that it redraws in place in a terminal;
   4. the summary: the root cause first, with its traceback (recorded by `ddpkit.errors` in the worker), the
      signal that killed a worker by name, and the tail of its output when no traceback was recorded
-     (ddpkit.summary).
+     (ddpkit.summary);
+  5. --timeline FILE [--timeline-steps A:B]: every rank's steps in one Chrome trace, handed to the workers as
+     DDPKIT_TIMELINE (ddpkit.timeline).
 Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every worker, which then
 has --shutdown-timeout seconds to exit before SIGKILL. When a worker fails, torchelastic sends SIGTERM to the
 others at once (and SIGKILL after its own fixed 30 s).
@@ -31,7 +33,7 @@ import shutil
 import sys
 import tempfile
 
-from .launch_plan import LaunchPlan, plan_launch, torchrun_parser
+from .launch_plan import LaunchPlan, add_ddpkit_flags, plan_launch, torchrun_parser
 from .rendezvous import rendezvous_handler
 from .summary import failure_summary
 
@@ -147,6 +149,7 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
         conflict_handler="resolve", description=__doc__.split("\n\n")[0],
         epilog="Every option may also come from PET_<OPTION>, as under torchrun (e.g. PET_NPROC_PER_NODE=2).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_ddpkit_flags(parser)
     parser.set_defaults(handler=main)
     return parser
 

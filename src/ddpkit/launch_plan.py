@@ -5,7 +5,8 @@ included) resolved into one `LaunchPlan`; pure, unit-tested without processes.
 
 The flags and their meanings are torchrun's, with ddpkit's few additions: one node by default rendezvouses on
 a loopback-only store (torchrun binds every interface), --nproc-per-node's auto/gpu/cpu as torchrun has them,
-OMP_NUM_THREADS shared among a node's workers. torchrun's flags about its own output handling (--tee,
+OMP_NUM_THREADS shared among a node's workers, --timeline FILE [--timeline-steps A:B] (ddpkit.timeline; see
+`add_ddpkit_flags`). torchrun's flags about its own output handling (--tee,
 --redirects, ...) are refused with the reason, since ddpkit forwards every rank's output itself.
 """
 
@@ -19,6 +20,8 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from . import timeline_spec
 
 # torchrun's defaults, so that the same flags mean the same job.
 STATIC_DEFAULT_PORT = 29500
@@ -63,6 +66,17 @@ def torchrun_parser() -> argparse.ArgumentParser:
         if action.dest in HELP:
             action.help = HELP[action.dest]
     return parser
+
+
+def add_ddpkit_flags(parser: argparse.ArgumentParser) -> None:
+    """ddpkit launch's flags beside torchrun's; like torchrun's, each may come from PET_<FLAG> instead."""
+    from torch.distributed.argparse_util import env
+
+    group = parser.add_argument_group("ddpkit")
+    group.add_argument("--timeline", action=env, default=None, metavar="FILE",
+                       help="record every rank's steps into this Chrome trace file and print where the time went")
+    group.add_argument("--timeline-steps", "--timeline_steps", action=env, default=None, metavar="A:B",
+                       help=f"optimizer steps A to B the timeline records (default: {timeline_spec.DEFAULT_STEPS})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +197,17 @@ def _loopback_interface() -> str | None:
     return "lo" if "lo" in names else None
 
 
+def timeline_env(args: argparse.Namespace) -> dict[str, str]:
+    """DDPKIT_TIMELINE for the workers (read back by ddpkit.env.timeline_request) when --timeline asks."""
+    # getattr: a namespace from torchrun's parser alone (without add_ddpkit_flags) plans a run without one.
+    path, steps = getattr(args, "timeline", None), getattr(args, "timeline_steps", None)
+    if not path:
+        if steps:
+            raise ValueError("--timeline-steps needs --timeline FILE, the trace to write")
+        return {}
+    return {timeline_spec.ENV_VAR: timeline_spec.encode(path, steps)}
+
+
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     for dest, (off, why) in REFUSED.items():
         if getattr(args, dest, off) != off:
@@ -219,9 +244,9 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         rdzv_endpoint=endpoint, run_id=run_id, rdzv_configs=configs, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, shutdown_timeout=float(shutdown), log_dir=args.log_dir,
         local_addr=args.local_addr, role=args.role, start_method=args.start_method,
-        signals=args.signals_to_handle, worker_env=worker_env_additions(nproc, loopback, env),
+        signals=args.signals_to_handle, worker_env={**worker_env_additions(nproc, loopback, env), **timeline_env(args)},
     )
 
 
-__all__ = ["LaunchPlan", "cpu_cores", "parse_nnodes", "parse_rdzv_conf", "plan_launch",
-           "resolve_nproc", "torchrun_parser", "worker_command", "worker_env_additions"]
+__all__ = ["LaunchPlan", "add_ddpkit_flags", "cpu_cores", "parse_nnodes", "parse_rdzv_conf", "plan_launch",
+           "resolve_nproc", "timeline_env", "torchrun_parser", "worker_command", "worker_env_additions"]

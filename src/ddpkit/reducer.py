@@ -40,6 +40,7 @@ from .bucket import Bucket, BucketLayout, GradBucket, ParamSpec, layout_buckets,
 from .comm import Comm
 from .reduction import AllReduce, CommHook, CommHookReduction, ReduceScatter, Reduction
 from .backward import Uses, Window
+from .timeline_record import BACKWARD, BUCKET_READY, FIRST_GRAD, NULL_RECORDER, copy_in
 
 __all__ = ["Reducer", "Bucket", "BucketLayout", "GradBucket", "ParamSpec", "plan_buckets", "ready_order",
            "Reduction", "AllReduce", "CommHookReduction", "ReduceScatter", "CommHook", "Window"]
@@ -99,6 +100,7 @@ class Reducer:
         self.windows = 0  # synchronised windows finalized
         self._launched_before_finalize = 0  # of the last finalized synchronised window (launched_during_backward)
         self._sync_requested = False  # prepare_for_backward: the next backward synchronises
+        self.recorder = NULL_RECORDER  # the timeline, when one records (set by the DDP wrapper)
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, p in enumerate(params)]
 
@@ -140,7 +142,7 @@ class Reducer:
                 return
             self._abandon(window)  # the previous backward raised before its finalize ran
         sync, self._sync_requested = sync or self._sync_requested, False
-        window = self.window = Window(task)
+        window = self.window = Window(task, self.recorder.begin())
         if sync:
             self._open_sync(window)
         Variable._execution_engine.queue_callback(functools.partial(self._finalize, window))
@@ -229,9 +231,19 @@ class Reducer:
 
     def _count_ready(self, window: Window, index: int) -> None:
         b = self.bucket_of[index]
+        if self.recorder.active:
+            self._record_ready(window, b)
         window.pending[b] -= 1
         if window.pending[b] == 0:
             self._launch_ready(window)
+
+    def _record_ready(self, window: Window, b: int) -> None:
+        """The timeline's instants: bucket b's first parameter is ready now, or its last one is."""
+        pending = window.pending[b]
+        if pending == len(self.buckets[b].members):
+            self.recorder.instant(FIRST_GRAD, "bucket", {"bucket": b})
+        if pending == 1:
+            self.recorder.instant(BUCKET_READY, "bucket", {"bucket": b})
 
     # -- 3. launch -----------------------------------------------------------------------------------------------
     def _launch_ready(self, window: Window) -> None:
@@ -251,7 +263,8 @@ class Reducer:
 
     def _launch(self, window: Window, bucket: Bucket) -> None:
         window.next_launch += 1
-        with torch.no_grad():
+        # The copy-in span holds the collective's issue too: the timeline reads the launch from it.
+        with torch.no_grad(), self.recorder.span(copy_in(bucket.index), "copy", {"bucket": bucket.index}):
             bucket.fill(window.filled, window.divisor if self.reduction.divides else None)
             window.inflight[bucket.index] = bucket.launch(f"bucket {bucket.index}, backward {window.number}")
         if window.next_launch == len(self.buckets):
@@ -281,6 +294,7 @@ class Reducer:
     def _finalize(self, window: Window) -> None:
         self._close(window)
         if not window.sync:
+            self.recorder.end(BACKWARD, "backward", window.began)
             return  # no_sync: gradients stay local and keep accumulating; their uses are remembered
         self.windows += 1
         if self.learning:
@@ -299,6 +313,7 @@ class Reducer:
                 bucket.write_back(result, everywhere_used)
         self.uses = Uses(len(self.params))
         self._launched_before_finalize = window.launched_during_backward
+        self.recorder.end(BACKWARD, "backward", window.began)
 
     def learn_without_gradients(self) -> None:
         """End the learning window on a rank without a backward of its own (join: it ran out of data before the

@@ -18,8 +18,8 @@ items (labels other than -100, or samples), so N ranks x accumulation equal one 
 
 Its parts live beside it: the model made ready (wrap.py), the step plan (plan.py), a step's agreement and the
 SIGTERM stop (window.py), evaluation over the ranks (evaluation.py), which checkpoint to resume from (resume.py),
-logs, progress bar and loss curve (report.py), optimizer and schedules (optim.py), the shapes of batches and
-outputs (model_io.py), trainer_state.json (state.py); every collective is one of comm.py's agreements.
+logs, progress bar and loss curve (report.py), optimizer and schedules (optim.py), the shapes of batches and outputs
+(model_io.py), trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, TrainerState, TrainOutput
+from .timeline import CHECKPOINT, DATA_WAIT, EVALUATION, attach_timeline
 from .window import StopRequest, Window, agree_on_window, take_batches
 from .wrap import prepare_model
 from .zero_trainer import clip_grad_norm
@@ -82,6 +83,7 @@ class Trainer:
         self._loss = RunningLoss()
         self._keep: tuple[str, ...] = ()  # checkpoints rotation must not delete (see resume.py)
         set_seed(args.seed)
+        self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
         self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(model.forward).parameters
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -234,7 +236,7 @@ class Trainer:
 
     def _next_window(self, batches) -> Window:
         """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
-        taken = take_batches(batches, self.args.gradient_accumulation_steps)
+        taken = self.timeline.timed(DATA_WAIT, "data", take_batches, batches, self.args.gradient_accumulation_steps)
         if taken:
             self._last_batch = taken[-1]
         window = agree_on_window(self.comm, self.world, taken, items=sum(self.count_items(b) for b in taken),
@@ -319,9 +321,9 @@ class Trainer:
         if final and save:
             save = not self._checkpoint_exists(step)
         if evaluate and self.eval_dataset is not None:
-            self.evaluate()
+            self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
         if save:
-            self._save_checkpoint(sampler)
+            self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
 
     def _checkpoint_exists(self, step: int) -> bool:
         """Whether checkpoint-<step> is written, as rank 0 sees it: every rank must take the same decision,
@@ -389,8 +391,6 @@ class Trainer:
             checkpoint.write_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_FILE),
                                   self.state.to_dict())
 
-
-# -- helpers ---------------------------------------------------------------------------------------------------------
 
 def _data_seed(args: TrainingArguments) -> int:
     return args.seed if args.data_seed is None else args.data_seed

@@ -1,0 +1,89 @@
+"""`ddpkit timeline FILE`: the summary of a saved trace again, and a picture of it.
+
+    ddpkit timeline t.json                    # the summary printed when the trace was written
+    ddpkit timeline t.json --png steps.png    # per step and per rank: compute, exposed communication, data wait
+    ddpkit timeline t.json --json s.json      # the summary's numbers as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .timeline_summary import format_summary, summarize
+
+# (field, legend, colour): the parts a step's time is split into, bottom to top of each bar.
+PARTS = (("compute_ms", "compute", "#4c72b0"), ("exposed_comm_ms", "exposed communication", "#c44e52"),
+         ("data_wait_ms", "data wait", "#dd8452"), ("untracked_ms", "untracked", "#b0b0b0"))
+
+
+def add_subcommand(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("timeline", help="summarise a trace written by --timeline",
+                                   description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("file", help="a trace written by ddpkit launch --timeline or ddp_timeline_steps")
+    parser.add_argument("--png", metavar="OUT", help="also draw the per-step breakdown into this PNG (matplotlib)")
+    parser.add_argument("--json", metavar="OUT", help="also write the summary's numbers into this JSON file")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from .timeline import load_trace
+
+    try:
+        trace = load_trace(args.file)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"ddpkit timeline: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(trace)
+    print(format_summary(summary))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    if args.png:
+        try:
+            import matplotlib
+        except ImportError:
+            print("ddpkit timeline: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 1
+        matplotlib.use("Agg")
+        draw(summary, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def draw(summary: dict[str, Any], path: str) -> None:
+    """Stacked bars: each step (mean over the ranks), then each rank's mean step; communication as a mark."""
+    import matplotlib.pyplot as plt
+
+    steps = summary["steps"]
+    per_rank = sorted(summary["total"]["per_rank"].items(), key=lambda kv: int(kv[0])) if steps else []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    _bars(left, [str(s["step"]) for s in steps], [s["mean"] for s in steps], "optimizer step")
+    left.set_title("per step, mean over the ranks")
+    left.set_ylabel("ms")
+    rows = [{k: v / max(1, len(steps)) for k, v in row.items()} for _, row in per_rank]
+    _bars(right, [f"rank {r}" for r, _ in per_rank], rows, "")
+    right.set_title("mean step, per rank")
+    handles, names = left.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    fig.suptitle(f"ddpkit timeline: {len(summary['ranks'])} rank(s), steps {summary['steps_asked'][0]} to "
+                 f"{summary['steps_asked'][1]}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(ax, labels: list[str], rows: list[dict[str, float]], xlabel: str) -> None:
+    bottom = [0.0] * len(rows)
+    x = list(range(len(rows)))
+    for field, legend, colour in PARTS:
+        values = [max(0.0, r[field]) for r in rows]
+        ax.bar(x, values, bottom=bottom, color=colour, label=legend, width=0.7)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.plot(x, [r["comm_ms"] for r in rows], "k_", markersize=18, label="all communication")
+    ax.set_xticks(x, labels)
+    ax.set_xlabel(xlabel)
