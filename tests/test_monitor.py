@@ -388,7 +388,7 @@ def test_the_interpreter_exits_cleanly_while_the_inspector_polls():
 def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a_closed_connection(tmp_path):
     import types
 
-    from ddpkit import launch
+    from ddpkit import summary
 
     def failure(rank, trace, when):
         path = tmp_path / f"{rank}.json"
@@ -401,6 +401,6 @@ def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a
     quoted = "ddpkit.errors.PeerLeftError: rank 2 left the job early ...\n(the collective failed with: " \
              "Connection reset by peer)"
     failures = {0: failure(0, "RuntimeError: Connection reset by peer", 1_000), 1: failure(1, quoted, 2_000)}
-    assert launch.root_cause(failures) == 1
+    assert summary.root_cause(failures) == 1
     failures[1] = failure(1, "RuntimeError: Connection reset by peer", 2_000)  # no explanation: the earliest
-    assert launch.root_cause(failures) == 0
+    assert summary.root_cause(failures) == 0
