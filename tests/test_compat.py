@@ -20,20 +20,25 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
 HF_SCRIPT = str(Path(__file__).parent / "scripts" / "hf_trainer_swap.py")
 
 
-def _accelerate(out: Path, *extra: str) -> list[dict]:
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               SCRIPT, str(out), *extra]
+def _ranks_report(command: list[str], out: Path, timeout_s: float) -> list[dict]:
+    """Run a 2-rank launch in its own session (killed at the deadline) and read each rank's OUT/rank<r>.json."""
     proc = subprocess.Popen(command, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _accelerate(out: Path, *extra: str) -> list[dict]:
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+               SCRIPT, str(out), *extra]
+    return _ranks_report(command, out, timeout_s=120)
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is a dev extra")
@@ -51,16 +56,7 @@ def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
 def _torchrun(script: str, out: Path, *extra: str) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), script, str(out), *extra]
-    proc = subprocess.Popen(command, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _ranks_report(command, out, timeout_s=240)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a dev extra")
