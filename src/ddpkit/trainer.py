@@ -24,7 +24,6 @@ logs, progress bar and loss curve (report.py), optimizer and schedules (optim.py
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import random
@@ -37,11 +36,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from . import checkpoint, evaluation, model_io, optim, resume
+from . import checkpoint, evaluation, model_io, optim, resume, step
 from .args import TrainingArguments
 from .comm import Comm, barrier, decided_by_main, init_process_group, max_over_ranks
 from .ddp import DistributedDataParallel
 from .env import DistEnv
+from .precision import Precision
 from .plan import SavedPlan, check_train_data, due, plan_for
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
@@ -50,7 +50,6 @@ from .state import EvalPrediction, TrainerState, TrainOutput
 from .timeline import CHECKPOINT, DATA_WAIT, EVALUATION, attach_timeline
 from .window import StopRequest, Window, agree_on_window, take_batches
 from .wrap import prepare_model
-from .zero_trainer import clip_grad_norm
 
 get_scheduler = optim.get_scheduler
 
@@ -85,6 +84,7 @@ class Trainer:
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
+        self.precision = Precision.for_args(args, self.world.device)
         self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(model.forward).parameters
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or default_collate
@@ -247,28 +247,18 @@ class Trainer:
 
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
         """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
-        model = self.model_wrapped
-        model.train()
         filler = window.batches[-1] if window.batches else self._filler()
-        share = torch.zeros((), dtype=torch.float64, device=self.world.device)
-        for i in range(window.micro_steps):
-            real = i < len(window.batches)
-            batch = window.batches[i] if real else filler
-            last = i == window.micro_steps - 1
-            with contextlib.nullcontext() if last or model is self.model else model.no_sync():
-                share += self._micro_step(model, batch, window.items, weight=1.0 if real else 0.0)
-        # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
-        limit = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.optimizer, list(self.model.parameters()), limit)  # over the shards, if any
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        share = step.accumulate(self.model_wrapped, self.model, window, filler,
+                                lambda model, batch, weight: self._micro_step(model, batch, window.items, weight),
+                                self.world.device)
+        grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
+                                        self.args.max_grad_norm, self.precision)
         return share, grad_norm
 
     def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
-        with self._autocast():
+        with self.precision.autocast():
             if self.model_accepts_loss_kwargs and isinstance(inputs, Mapping):  # the keyword reaches the model
                 # The model divides its summed loss by the count we pass: its loss is already its share.
                 share = self.compute_loss(model, inputs, num_items_in_batch=torch.tensor(global_items))
@@ -279,7 +269,7 @@ class Trainer:
         share = share * weight  # 0 for the filler batch of a rank that ran out of data
         # DDP averages gradients over the ranks, but the step's loss is the *sum* of the ranks' shares:
         # multiplying by the world size first turns that average back into the sum.
-        (share * self.world.world_size).backward()
+        self.precision.backward(share * self.world.world_size)
         return share.detach().to(torch.float64)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
@@ -303,11 +293,6 @@ class Trainer:
 
     def _prepare_inputs(self, batch: Any) -> Any:
         return model_io.to_device(batch, self.world.device)
-
-    def _autocast(self):
-        if self.args.bf16:
-            return torch.autocast(device_type=self.world.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _learning_rate(self) -> float:
         return self.lr_scheduler.get_last_lr()[0]
@@ -353,7 +338,7 @@ class Trainer:
                             generator=torch.Generator().manual_seed(_data_seed(self.args)))
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.precision.autocast():
             part = evaluation.accumulate(loader, self._evaluation_forward, self.compute_metrics is not None)
         self.model.train(was_training)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,

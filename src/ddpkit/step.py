@@ -1,0 +1,54 @@
+"""One optimizer step of the Trainer over an agreed window of micro-batches.
+
+    share = accumulate(wrapped, window, filler, micro_step)   # forward and backward, all but the last no_sync
+    grad_norm = optimizer_step(optimizer, scheduler, params, max_grad_norm, precision)
+
+A window holds this rank's micro-batches and how many every rank runs (`window.micro_steps`, the most any rank
+holds): a rank short of data runs `filler` with weight zero, so every rank launches the same all-reduces.
+`micro_step(model, batch, weight)` runs one forward and backward and returns this rank's share of the step's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .precision import Precision
+from .window import Window
+from .zero_trainer import clip_grad_norm
+
+MicroStep = Callable[[nn.Module, Any, float], torch.Tensor]
+
+
+def accumulate(wrapped: nn.Module, unwrapped: nn.Module, window: Window, filler: Any,
+               micro_step: MicroStep, device: torch.device) -> torch.Tensor:
+    """Run the window's micro-steps; gradients are reduced over the ranks on the last one only."""
+    wrapped.train()
+    share = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(window.micro_steps):
+        real = i < len(window.batches)
+        batch = window.batches[i] if real else filler
+        last = i == window.micro_steps - 1
+        with contextlib.nullcontext() if last or wrapped is unwrapped else wrapped.no_sync():
+            share += micro_step(wrapped, batch, 1.0 if real else 0.0)
+    return share
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, params: list[nn.Parameter],
+                   max_grad_norm: float, precision: Precision) -> float:
+    """Clip (over the shards, if any), step, schedule, zero the gradients; the gradient norm before clipping."""
+    precision.unscale(optimizer)
+    # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
+    limit = max_grad_norm if max_grad_norm > 0 else float("inf")
+    grad_norm = clip_grad_norm(optimizer, params, limit)
+    precision.step(optimizer)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+__all__ = ["accumulate", "optimizer_step"]
