@@ -104,6 +104,10 @@ INVALID = [
     ("save_strategy", dict(save_strategy="best")),
     ("save_steps", dict(save_steps=0)),
     ("save_total_limit", dict(save_total_limit=0)),
+    ("load_best_model_at_end", dict(load_best_model_at_end=True)),  # eval_strategy "no": nothing ranks them
+    ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")),
+    ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=3,
+                                    save_steps=4)),
     ("seed", dict(seed=-1)),
     ("data_seed", dict(data_seed=2**32)),
     ("dataloader_num_workers", dict(dataloader_num_workers=-1)),

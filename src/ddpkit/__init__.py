@@ -12,6 +12,7 @@ from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from .callbacks import TrainerCallback, TrainerControl
 from .trainer import EvalPrediction, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
 from .env import (
     DistEnv,
@@ -28,6 +29,8 @@ __all__ = [
     "ArgumentParser",
     "EvalPrediction",
     "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
     "TrainerState",
     "TrainOutput",
     "TrainingArguments",

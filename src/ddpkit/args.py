@@ -58,6 +58,13 @@ class TrainingArguments:
                                 choices=STRATEGIES)
     save_steps: float = _field(500, "Checkpoint every N optimizer steps (a float < 1: a fraction of the total).")
     save_total_limit: int | None = _field(None, "Keep at most this many checkpoints, deleting the oldest.")
+    load_best_model_at_end: bool = _field(False, "Keep the checkpoint with the best metric_for_best_model (never "
+                                                 "rotated away) and load its weights when training ends; needs "
+                                                 "eval_strategy = save_strategy and saves on evaluated steps.")
+    metric_for_best_model: str | None = _field(None, "The evaluation metric that ranks checkpoints (eval_ may be "
+                                                     "left out); default: loss when load_best_model_at_end.")
+    greater_is_better: bool | None = _field(None, "Whether a larger metric_for_best_model is better; default: "
+                                                  "False when the metric ends in 'loss', True otherwise.")
     seed: int = _field(42, "Random seed set on every process at the start (model init, dropout).")
     data_seed: int | None = _field(None, "Seed of the data shuffling; defaults to seed.")
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
@@ -99,6 +106,10 @@ class TrainingArguments:
             self.resume_from_checkpoint = True  # type: ignore[assignment]  # the newest in output_dir
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
             if 1 <= value < math.inf:  # validate() names a non-finite one

@@ -174,12 +174,16 @@ def remove_stale(output_dir: str) -> list[str]:
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
                        keep: str | tuple[str, ...] | None = None) -> list[str]:
-    """Delete the oldest checkpoints beyond save_total_limit (never those in `keep`); the deleted paths."""
+    """Delete the oldest checkpoints so that save_total_limit remain, never those in `keep` (they count towards
+    the limit, as the best checkpoint does in Transformers: a limit of 2 with the best one old keeps it and the
+    newest); the deleted paths."""
     if save_total_limit is None:
         return []
     kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
     found = list_checkpoints(output_dir)
-    doomed = [p for p in found[:max(0, len(found) - save_total_limit)] if os.path.abspath(p) not in kept]
+    others = [p for p in found if os.path.abspath(p) not in kept]
+    budget = max(0, save_total_limit - (len(found) - len(others)))  # what the limit leaves for the unprotected
+    doomed = others[:max(0, len(others) - budget)]
     for path in doomed:
         _retire(path)
     return doomed

@@ -8,8 +8,9 @@ compute_metrics gathered back into dataset order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,22 @@ import torch
 from . import model_io
 from .comm import Comm, gather_objects, sum_over_ranks
 from .state import EvalPrediction
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode for the body, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: int) -> None:
+    metrics[f"{prefix}_runtime"] = runtime
+    metrics[f"{prefix}_samples_per_second"] = samples / max(runtime, 1e-9)
 
 
 def shard(n: int, rank: int, world_size: int) -> list[int]:

@@ -37,6 +37,7 @@ class TrainerState:
     world_size: int = 1
     log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     best_metric: float | None = None
+    best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     total_flos: float = 0.0
     is_local_process_zero: bool = True

@@ -16,10 +16,12 @@ backward passes (all but the last under no_sync; a rank short of data repeats a 
 collectives still match and uneven data never hangs), clip, step. The loss is normalised by the global number of
 items (labels other than -100, or samples), so N ranks x accumulation equal one process on the whole global batch.
 
-Its parts live beside it: the model made ready (wrap.py), the step plan (plan.py), a step's agreement and the
-SIGTERM stop (window.py), evaluation over the ranks (evaluation.py), which checkpoint to resume from (resume.py),
-logs, progress bar and loss curve (report.py), optimizer and schedules (optim.py), the shapes of batches and outputs
-(model_io.py), trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
+Its parts live beside it: the order of epochs, steps and events (loop.py), the model made ready (wrap.py), the step
+plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
+evaluation over the ranks (evaluation.py), which checkpoint to resume from (resume.py), writing checkpoints and the
+best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs, progress bar and loss curve
+(report.py), optimizer and schedules (optim.py), the shapes of batches and outputs (model_io.py),
+trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
 """
 
 from __future__ import annotations
@@ -37,18 +39,21 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import checkpoint, evaluation, model_io, optim, resume, step
+from .best import BestModel
+from .saves import Saves
+from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import TrainingArguments
-from .comm import Comm, barrier, decided_by_main, init_process_group, max_over_ranks
-from .ddp import DistributedDataParallel
+from .comm import Comm, barrier, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, due, plan_for
+from .loop import TrainingLoop
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, TrainerState, TrainOutput
-from .timeline import CHECKPOINT, DATA_WAIT, EVALUATION, attach_timeline
-from .window import StopRequest, Window, agree_on_window, take_batches
+from .timeline import CHECKPOINT, EVALUATION, attach_timeline
+from .window import StopRequest, Window
 from .wrap import prepare_model
 
 get_scheduler = optim.get_scheduler
@@ -72,7 +77,8 @@ class Trainer:
     def __init__(self, model: nn.Module, args: TrainingArguments, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | None = None, data_collator: Callable | None = None,
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
-                 optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None)):
+                 optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+                 callbacks: list[TrainerCallback] | None = None):
         self.args = args
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  stall_seconds=args.ddp_stall_seconds)
@@ -80,7 +86,6 @@ class Trainer:
         # SIGTERM or the first Ctrl-C set it while training; the ranks agree on it at the next window.
         self._stop = StopRequest(announce=self.world.is_main)
         self._loss = RunningLoss()
-        self._keep: tuple[str, ...] = ()  # checkpoints rotation must not delete (see resume.py)
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
@@ -94,6 +99,27 @@ class Trainer:
                                   is_local_process_zero=self.world.is_local_main)
         self.reporter = Reporter(args.output_dir, args.reporters, is_main=self.world.is_main)
         self._last_batch = None
+        self.best = BestModel.for_args(args)
+        self.saves = Saves(args, self.comm, self.world, self.best)
+        self.callback_handler, self.control = CallbackHandler(callbacks), TrainerControl()
+        self._agreement = Agreement(self.comm, self.world.device)  # rank 0's control, on every rank (callbacks.py)
+        self._fire("on_init_end")
+
+    # -- callbacks -------------------------------------------------------------------------------------------------
+    def add_callback(self, callback: Any) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        self.callback_handler.objects = {"model": self.model, "optimizer": self.optimizer,
+                                         "lr_scheduler": self.lr_scheduler, "train_dataloader": None,
+                                         "eval_dataloader": None}
+        self.control = self.callback_handler.call(event, self.args, self.state, self.control, **kwargs)
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def get_train_sampler(self) -> DistributedSampler:
@@ -108,6 +134,12 @@ class Trainer:
                           collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
                           drop_last=self.args.dataloader_drop_last, generator=generator,
                           pin_memory=self.world.device.type == "cuda")
+
+    def get_eval_dataloader(self, dataset: Dataset, indices: list[int]) -> DataLoader:
+        # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=indices,
+                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                          generator=torch.Generator().manual_seed(_data_seed(self.args)))
 
     def create_optimizer(self) -> torch.optim.Optimizer:
         """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
@@ -146,7 +178,7 @@ class Trainer:
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume_path = resume.choose_checkpoint(asked, self.args.output_dir, restart=self.world.restart)
-        self._keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
+        self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         sampler = self.get_train_sampler()
         self._plan(self.get_train_dataloader(sampler), resume.read_trainer_state(resume_path) if resume_path
                    else None)
@@ -156,25 +188,22 @@ class Trainer:
         self.reporter.open()
         bar = self.reporter.progress_bar(self.state.max_steps, self.state.global_step, bool(self.args.disable_tqdm))
         run = Progress(bar)
-        epoch = sampler_state["epoch"] if sampler_state else 0
+        self._agreement.start(self.callback_handler)
+        self.control.should_training_stop = False
+        self._fire("on_train_begin")
         with self._stop:
-            while self.state.global_step < self.state.max_steps:
-                resumed = sampler_state if sampler_state is not None and sampler_state["epoch"] == epoch else None
-                if not self._train_epoch(sampler, epoch, resumed, run):
-                    break  # max_steps reached inside the epoch, or every rank agreed to stop
-                epoch += 1
-                sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
-                self._maybe_evaluate_and_save(sampler, step_end=False)
+            TrainingLoop(self, sampler, run).run(sampler_state)
             run.bar.close()
             if self.state.should_stop:
                 # SIGTERM or Ctrl-C: one checkpoint at the exact next sample, then a clean return (exit 0).
                 # Still inside the handler: a second SIGTERM must not kill the save half-way.
-                if not self._checkpoint_exists(self.state.global_step):
+                if not self.saves.exists(self.state.global_step):
                     self._save_checkpoint(sampler)
                 self._finish_reports()
                 return TrainOutput(self.state.global_step, self._loss.mean(),
                                    {**run.summary(self._loss.mean()), "stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
+        self.saves.load_best(self.model, self.state)
         metrics = run.summary(self._loss.mean())
         self.log(metrics)
         self._finish_reports()
@@ -185,65 +214,11 @@ class Trainer:
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
                                                       scheduler=self.lr_scheduler, world=self.world)
         self.state.global_step = trainer_state["global_step"]
-        self.state.log_history = trainer_state.get("log_history", [])
+        for name in ("log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
+            setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
         self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
                                  trainer_state.get("steps_since_last_log", 0))
         return sampler_state
-
-    def _train_epoch(self, sampler, epoch: int, resumed: dict | None, run: Progress) -> bool:
-        """Steps until every rank is out of this epoch's data (True) or max_steps is reached (False)."""
-        sampler.set_epoch(epoch)
-        sampler.consumed = 0
-        if resumed is not None:
-            sampler.load_state_dict(resumed)  # the first step after the checkpoint's last sample
-        consumed = sampler.consumed
-        # A checkpoint taken after the epoch's last step resumes to an empty rest of it: every real sample
-        # (consumed >= N) was handed out. The ranks still meet in _next_window, as in the uninterrupted run.
-        finished = resumed is not None and consumed >= len(self.train_dataset)
-        batches = iter(()) if finished else iter(self.get_train_dataloader(sampler, epoch))
-        while self.state.global_step < self.state.max_steps:
-            window = self._next_window(batches)
-            if window.micro_steps == 0:
-                return True  # every rank is out of data
-            step_loss, grad_norm = self.training_step(window)
-            consumed += window.samples
-            sampler.consumed = consumed  # what was trained on, whatever the loader prefetched
-            self.state.global_step += 1
-            self.state.epoch = epoch + min(1.0, consumed / max(1, len(self.train_dataset)))
-            self._after_step(run, step_loss, grad_norm, window.samples)
-            self._maybe_check_replicas()
-            self.state.should_stop = window.stop  # a scheduled save of this step is the stop's: it says so
-            self._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
-            if window.stop:
-                return False
-        return False
-
-    def _maybe_check_replicas(self) -> None:
-        every = self.args.ddp_replica_check_steps
-        if every and self.state.global_step % every == 0 and isinstance(self.model_wrapped, DistributedDataParallel):
-            self.model_wrapped.check_replicas(f"replica check at step {self.state.global_step}")
-
-    def _after_step(self, run: Progress, step_loss: torch.Tensor, grad_norm: float, samples: int) -> None:
-        run.step(samples)
-        self._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
-        step = self.state.global_step
-        logging = step % self.state.logging_steps == 0 or step == self.state.max_steps
-        if logging:
-            self._loss.settle_now(self.comm, self.world, "logged loss")
-            self.log({"loss": self._loss.take_log(), "grad_norm": grad_norm, "learning_rate": self._learning_rate(),
-                      "samples_per_second": run.clock.lap()})
-        run.show(self.state.last_logged("loss"), logged=logging)
-
-    def _next_window(self, batches) -> Window:
-        """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
-        taken = self.timeline.timed(DATA_WAIT, "data", take_batches, batches, self.args.gradient_accumulation_steps)
-        if taken:
-            self._last_batch = taken[-1]
-        window = agree_on_window(self.comm, self.world, taken, items=sum(self.count_items(b) for b in taken),
-                                 samples=sum(model_io.batch_len(b) for b in taken), stop=self._stop.requested,
-                                 loss=self._loss.carried())
-        self._loss.settle(window.previous_loss)
-        return window
 
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
         """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
@@ -303,27 +278,26 @@ class Trainer:
         moment = "step" if step_end else "final" if final else "epoch"
         evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
                              self.state.save_steps, evaluated=self.state.logged_at("eval_loss", step))
+        evaluate, save = evaluate or self.control.should_evaluate, save or self.control.should_save  # agreed
+        self.control.should_evaluate = self.control.should_save = False
         if final and save:
-            save = not self._checkpoint_exists(step)
+            save = not self.saves.exists(step)
         if evaluate and self.eval_dataset is not None:
-            self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
+            metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
+            if self.best is not None:
+                self.best.note_evaluation(self.state, metrics)
         if save:
             self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
-
-    def _checkpoint_exists(self, step: int) -> bool:
-        """Whether checkpoint-<step> is written, as rank 0 sees it: every rank must take the same decision,
-        also on nodes that do not share a file system (saving is a collective)."""
-        folder = os.path.join(self.args.output_dir, f"{checkpoint.PREFIX}-{step}")
-        here = os.path.isdir(folder) if self.world.is_main else None
-        return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
+        if evaluate or save:  # what on_evaluate and on_save asked (a stop, say) is rank 0's, as at a step's end
+            self._agreement.settle(self.control, f"after the evaluation or save of step {step}")
 
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self.state.loss_since_last_log, self.state.steps_since_last_log = self._loss.unlogged_part()
-        return checkpoint.save_checkpoint(
-            self.args.output_dir, self.state.global_step, model=self.model, optimizer=self.optimizer,
-            scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(), sampler_state=sampler.state_dict(),
-            comm=self.comm, world=self.world, save_total_limit=self.args.save_total_limit, keep=self._keep)
+        folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer,
+                                 scheduler=self.lr_scheduler, sampler_state=sampler.state_dict())
+        self._fire("on_save")
+        return folder
 
     def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank."""
@@ -332,21 +306,14 @@ class Trainer:
             raise ValueError("Trainer.evaluate needs an eval_dataset")
         start = time.perf_counter()
         mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size)
-        # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=mine,
-                            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
-                            generator=torch.Generator().manual_seed(_data_seed(self.args)))
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad(), self.precision.autocast():
-            part = evaluation.accumulate(loader, self._evaluation_forward, self.compute_metrics is not None)
-        self.model.train(was_training)
+        with evaluation.eval_mode(self.model), torch.no_grad(), self.precision.autocast():
+            part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), self._evaluation_forward,
+                                         self.compute_metrics is not None)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
                                         self.world.device)
-        runtime = time.perf_counter() - start
-        metrics[f"{metric_key_prefix}_runtime"] = runtime
-        metrics[f"{metric_key_prefix}_samples_per_second"] = len(dataset) / max(runtime, 1e-9)
+        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(dataset))
         self.log(metrics)
+        self._fire("on_evaluate", metrics=metrics)
         return metrics
 
     def _evaluation_forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any, int]:
@@ -369,8 +336,10 @@ class Trainer:
         entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.reporter.write(entry)
+        self._fire("on_log", logs=logs)
 
     def _finish_reports(self) -> None:
+        self._fire("on_train_end")
         self.reporter.close(self.state.log_history)
         if self.world.is_main:
             checkpoint.write_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_FILE),
@@ -381,5 +350,5 @@ def _data_seed(args: TrainingArguments) -> int:
     return args.seed if args.data_seed is None else args.data_seed
 
 
-__all__ = ["EvalPrediction", "TrainOutput", "Trainer", "TrainerState", "get_scheduler", "set_seed",
-           "write_loss_curve"]
+__all__ = ["EvalPrediction", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState",
+           "get_scheduler", "set_seed", "write_loss_curve"]

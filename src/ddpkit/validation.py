@@ -107,10 +107,26 @@ def validate(args: Any) -> None:
     resume = args.resume_from_checkpoint
     need(resume in (None, True) or (isinstance(resume, str) and os.path.isdir(resume)), "resume_from_checkpoint",
          "must be an existing checkpoint folder, or 'true' for the newest in output_dir")
+    _validate_best_model(args, need)
     _validate_ddp(args, need)
     if args.bf16:
         need(torch.cuda.is_available() is False or torch.cuda.is_bf16_supported(), "bf16",
              "this GPU does not support bfloat16")
+
+
+def _validate_best_model(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    """load_best_model_at_end ranks the checkpoints by an evaluation made at the step each was saved."""
+    if not args.load_best_model_at_end:
+        return
+    need(args.eval_strategy != "no", "load_best_model_at_end", "needs evaluations: set eval_strategy to steps or "
+         "epoch (and pass an eval_dataset)")
+    need(args.save_strategy == args.eval_strategy, "load_best_model_at_end", f"needs save_strategy to match "
+         f"eval_strategy (got save_strategy={args.save_strategy}, eval_strategy={args.eval_strategy}): a "
+         "checkpoint is ranked by the evaluation of the step it was saved at")
+    if args.save_strategy == "steps" and args.save_steps >= 1 and args.eval_steps >= 1:
+        need(args.save_steps % args.eval_steps == 0, "load_best_model_at_end", f"needs save_steps "
+             f"({args.save_steps}) to be a multiple of eval_steps ({args.eval_steps}), so that every checkpoint "
+             "has an evaluation")
 
 
 def _validate_ddp(args: Any, need: Callable[[bool, str, str], None]) -> None:

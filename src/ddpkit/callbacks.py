@@ -1,0 +1,142 @@
+"""Callbacks: code of the user's that the Trainer runs at the moments of a run, with the Transformers names.
+
+    class StopAtLoss(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and logs.get("loss", 1.0) < 0.1:
+                control.should_training_stop = True
+
+    trainer = Trainer(model, args, train_dataset, callbacks=[StopAtLoss()])
+
+Each event gets (args, state, control, **kwargs): the TrainingArguments, the TrainerState, the TrainerControl, and
+model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, plus `logs` (on_log) or `metrics`
+(on_evaluate). A callback that returns a TrainerControl replaces the control. Transformers' own callbacks
+(`transformers.EarlyStoppingCallback`, ...) work as they are: only the method names matter.
+
+Callbacks run on every rank, but what they ask of the Trainer (stop, save, evaluate, log, end the epoch) is
+what rank 0's callbacks asked: the Trainer takes the control's flags from rank 0 (`Agreement`) before it acts on
+them, so a callback that decides from rank-local numbers cannot make the ranks part and hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .comm import Comm, flags_of_main
+
+EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+          "on_step_end", "on_evaluate", "on_log", "on_save")
+
+
+@dataclasses.dataclass
+class TrainerControl:
+    """The switches callbacks set. should_training_stop stays set; should_epoch_stop is cleared when an epoch
+    begins; should_save, should_evaluate and should_log when a step begins."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+    @property
+    def should_stop(self) -> bool:
+        """Another name of should_training_stop."""
+        return self.should_training_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self.should_training_stop = bool(value)
+
+    def _new_training(self) -> None:
+        self.should_training_stop = False
+
+    def _new_epoch(self) -> None:
+        self.should_epoch_stop = False
+
+    def _new_step(self) -> None:
+        self.should_save = self.should_evaluate = self.should_log = False
+
+    def flags(self) -> list[bool]:
+        return [bool(getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    def set_flags(self, flags: list[bool]) -> None:
+        for field, value in zip(dataclasses.fields(self), flags):
+            setattr(self, field.name, bool(value))
+
+
+class TrainerCallback:
+    """Override the events you need; each may change `control` in place or return a TrainerControl."""
+
+    def on_init_end(self, args, state, control, **kwargs): pass
+    def on_train_begin(self, args, state, control, **kwargs): pass
+    def on_train_end(self, args, state, control, **kwargs): pass
+    def on_epoch_begin(self, args, state, control, **kwargs): pass
+    def on_epoch_end(self, args, state, control, **kwargs): pass
+    def on_step_begin(self, args, state, control, **kwargs): pass
+    def on_step_end(self, args, state, control, **kwargs): pass
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs): pass
+    def on_log(self, args, state, control, logs=None, **kwargs): pass
+    def on_save(self, args, state, control, **kwargs): pass
+
+
+class CallbackHandler:
+    """The Trainer's callbacks, in order, and the objects every event hands them."""
+
+    def __init__(self, callbacks: list[Any] | None = None):
+        self.callbacks: list[Any] = []
+        for callback in callbacks or ():
+            self.add_callback(callback)
+        self.objects: dict[str, Any] = {}  # model, optimizer, ...: kept current by the Trainer
+
+    def add_callback(self, callback: Any) -> None:
+        """An instance, or a class to instantiate without arguments."""
+        instance = callback() if isinstance(callback, type) else callback
+        if not any(callable(getattr(instance, event, None)) for event in EVENTS):
+            raise TypeError(f"{type(instance).__name__} is not a callback: it defines none of the events "
+                            f"{', '.join(EVENTS)}; subclass ddpkit.TrainerCallback (or transformers'")
+        self.callbacks.append(instance)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove `callback` (an instance, or the first instance of a class) and return it; None if absent."""
+        for i, present in enumerate(self.callbacks):
+            if present is callback or (isinstance(callback, type) and isinstance(present, callback)):
+                return self.callbacks.pop(i)
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        self.pop_callback(callback)
+
+    def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            if method is None:
+                continue
+            result = method(args, state, control, **self.objects, **kwargs)
+            if result is not None:  # a callback may return the control it changed (or another one)
+                control = result
+        return control
+
+
+class Agreement:
+    """Rank 0's control flags on every rank: one broadcast at each point the Trainer acts on them. Whether any
+    rank has callbacks is agreed once per run (`start`): without callbacks the flags never change, so a run
+    without them pays for no broadcast per step."""
+
+    def __init__(self, comm: Comm, device: Any):
+        self.comm = comm
+        self.device = device
+        self.needed = False
+
+    def start(self, handler: CallbackHandler) -> None:
+        mine = [bool(handler.callbacks)]
+        self.needed = flags_of_main(self.comm, mine, "callbacks present", self.device, any_rank=True)[0]
+
+    def settle(self, control: TrainerControl, moment: str) -> TrainerControl:
+        if self.needed:
+            control.set_flags(flags_of_main(self.comm, control.flags(), f"callback control at {moment}",
+                                            self.device))
+        return control
+
+
+__all__ = ["Agreement", "CallbackHandler", "EVENTS", "TrainerCallback", "TrainerControl"]

@@ -1,0 +1,115 @@
+"""The order of a training run: epochs, the steps within them, and what follows each step (the callbacks' events,
+the logged loss, the replica check, scheduled evaluations and saves, a stop).
+
+    TrainingLoop(trainer, sampler, progress).run(sampler_state)   # inside Trainer.train, under its stop handler
+
+It is the Trainer's own loop, split from it: it reads and writes the trainer's state, and leaves how each thing is
+done (training_step, evaluate, saving, log) to the trainer, whose methods a subclass may override.
+
+A step ends in this order on every rank alike: on_step_end, then the control the callbacks set is taken from rank
+0 (callbacks.Agreement), then the loss is logged when due or asked, then evaluation and save when due or asked,
+then the loop stops when a rank was signalled (window.stop) or a callback asked (should_training_stop).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import model_io
+from .ddp import DistributedDataParallel
+from .report import Progress
+from .timeline import DATA_WAIT
+from .window import Window, agree_on_window, take_batches
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+class TrainingLoop:
+    def __init__(self, trainer: Trainer, sampler: Any, progress: Progress):
+        self.trainer, self.sampler, self.progress = trainer, sampler, progress
+
+    def run(self, sampler_state: dict | None) -> None:
+        """Epochs until max_steps, a stop every rank agreed on, or a callback's should_training_stop."""
+        t = self.trainer
+        epoch = sampler_state["epoch"] if sampler_state else 0
+        while t.state.global_step < t.state.max_steps and not t.control.should_training_stop:
+            resumed = sampler_state if sampler_state is not None and sampler_state["epoch"] == epoch else None
+            t.control.should_epoch_stop = False
+            t._fire("on_epoch_begin")
+            if not self.epoch(epoch, resumed):
+                break  # max_steps reached inside the epoch, or every rank agreed to stop
+            epoch += 1
+            self.sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
+            t._fire("on_epoch_end")
+            t._agreement.settle(t.control, "epoch end")
+            t._maybe_evaluate_and_save(self.sampler, step_end=False)
+
+    def epoch(self, epoch: int, resumed: dict | None) -> bool:
+        """Steps until every rank is out of this epoch's data or a callback ends the epoch (True), or until
+        max_steps is reached or training stops (False)."""
+        t, sampler = self.trainer, self.sampler
+        sampler.set_epoch(epoch)
+        sampler.consumed = 0
+        if resumed is not None:
+            sampler.load_state_dict(resumed)  # the first step after the checkpoint's last sample
+        consumed = sampler.consumed
+        # A checkpoint taken after the epoch's last step resumes to an empty rest of it: every real sample
+        # (consumed >= N) was handed out. The ranks still meet in next_window, as in the uninterrupted run.
+        finished = resumed is not None and consumed >= len(t.train_dataset)
+        batches = iter(()) if finished else iter(t.get_train_dataloader(sampler, epoch))
+        while t.state.global_step < t.state.max_steps:
+            t.control.should_save = t.control.should_evaluate = t.control.should_log = False
+            t._fire("on_step_begin")
+            window = self.next_window(batches)
+            if window.micro_steps == 0:
+                return True  # every rank is out of data
+            step_loss, grad_norm = t.training_step(window)
+            consumed += window.samples
+            sampler.consumed = consumed  # what was trained on, whatever the loader prefetched
+            t.state.global_step += 1
+            t.state.epoch = epoch + min(1.0, consumed / max(1, len(t.train_dataset)))
+            t._fire("on_step_end")
+            t._agreement.settle(t.control, f"step {t.state.global_step}")
+            self.after_step(step_loss, grad_norm, window.samples)
+            t.state.should_stop = window.stop  # a scheduled save of this step is the stop's: it says so
+            t._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
+            if window.stop or t.control.should_training_stop:
+                return False
+            if t.control.should_epoch_stop:
+                return True
+        return False
+
+    def next_window(self, batches: Any) -> Window:
+        """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
+        t = self.trainer
+        taken = t.timeline.timed(DATA_WAIT, "data", take_batches, batches, t.args.gradient_accumulation_steps)
+        if taken:
+            t._last_batch = taken[-1]
+        window = agree_on_window(t.comm, t.world, taken, items=sum(t.count_items(b) for b in taken),
+                                 samples=sum(model_io.batch_len(b) for b in taken), stop=t._stop.requested,
+                                 loss=t._loss.carried())
+        t._loss.settle(window.previous_loss)
+        return window
+
+    def after_step(self, step_loss: torch.Tensor, grad_norm: float, samples: int) -> None:
+        """The progress bar, the logged loss (when due, or asked by a callback) and the replica check."""
+        t, run = self.trainer, self.progress
+        run.step(samples)
+        t._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
+        step = t.state.global_step
+        logging = step % t.state.logging_steps == 0 or step == t.state.max_steps or t.control.should_log
+        t.control.should_log = False
+        if logging:
+            t._loss.settle_now(t.comm, t.world, "logged loss")
+            t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": t._learning_rate(),
+                   "samples_per_second": run.clock.lap()})
+        run.show(t.state.last_logged("loss"), logged=logging)
+        every = t.args.ddp_replica_check_steps
+        if every and step % every == 0 and isinstance(t.model_wrapped, DistributedDataParallel):
+            t.model_wrapped.check_replicas(f"replica check at step {step}")
+
+
+__all__ = ["TrainingLoop"]

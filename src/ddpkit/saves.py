@@ -1,0 +1,61 @@
+"""The Trainer's checkpoints of one run: where they go, whether one exists, writing one, the best one.
+
+    saves = Saves(args, comm, world, best=BestModel.for_args(args))
+    saves.exists(step)                                   # rank 0's view, on every rank
+    folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
+    saves.load_best(model, state)                        # load_best_model_at_end
+
+Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
+resume.protected_checkpoints) nor the best one (best.py). The files themselves are checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import checkpoint
+from .best import BestModel
+from .comm import Comm, decided_by_main
+from .env import DistEnv
+
+
+class Saves:
+    def __init__(self, args: Any, comm: Comm, world: DistEnv, best: BestModel | None = None):
+        self.output_dir = args.output_dir
+        self.save_total_limit = args.save_total_limit
+        self.comm, self.world, self.best = comm, world, best
+        self.keep: tuple[str, ...] = ()  # set by the Trainer once it knows what it resumes from
+
+    def folder(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"{checkpoint.PREFIX}-{step}")
+
+    def exists(self, step: int) -> bool:
+        """Whether checkpoint-<step> is written, as rank 0 sees it: every rank must take the same decision,
+        also on nodes that do not share a file system (saving is a collective)."""
+        here = os.path.isdir(self.folder(step)) if self.world.is_main else None
+        return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
+
+    def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict) -> str:
+        """checkpoint-<state.global_step>, with the state's best_model_checkpoint already naming it if it is the
+        best; call it on every rank."""
+        step = state.global_step
+        if self.best is not None:
+            self.best.note_save(state, self.folder(step), step)
+        return checkpoint.save_checkpoint(
+            self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
+            trainer_state=state.to_dict(), sampler_state=sampler_state, comm=self.comm, world=self.world,
+            save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)))
+
+    def load_best(self, model: Any, state: Any) -> str | None:
+        """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""
+        if self.best is None:
+            return None
+        loaded = self.best.load_at_end(state, lambda path: checkpoint.load_checkpoint(path, model=model,
+                                                                                       world=self.world))
+        if loaded is not None and self.world.is_main:
+            print(f"Loaded the best model from {loaded} ({self.best.key} = {state.best_metric})", flush=True)
+        return loaded
+
+
+__all__ = ["Saves"]

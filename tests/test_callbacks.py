@@ -1,0 +1,140 @@
+"""Callbacks: the events in their order on every rank, the control flags taken from rank 0 (so a rank-local
+decision can never part the ranks), a callback present on one rank only, and Transformers' own callbacks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import run_world
+from test_trainer import Classifier, _args, _params, classification_data
+
+from ddpkit.callbacks import CallbackHandler, TrainerCallback, TrainerControl
+from ddpkit.trainer import Trainer
+
+
+# -- the pieces ----------------------------------------------------------------------------------------------------
+
+def test_control_flags_round_trip_and_should_stop_names_should_training_stop():
+    control = TrainerControl()
+    control.should_stop = True
+    assert control.should_training_stop and control.flags() == [True, False, False, False, False]
+    other = TrainerControl()
+    other.set_flags([False, True, True, False, True])
+    assert (other.should_epoch_stop, other.should_save, other.should_evaluate, other.should_log) == (
+        True, True, False, True) and not other.should_stop
+
+
+def test_handler_instantiates_classes_honours_returned_controls_and_refuses_non_callbacks():
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            return TrainerControl(should_save=True)
+
+    class SeesTheReplacement(TrainerCallback):
+        seen = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            SeesTheReplacement.seen = (control.should_save, sorted(kwargs))
+
+    handler = CallbackHandler([Replace, SeesTheReplacement()])
+    handler.objects = {"model": None, "optimizer": None}
+    control = handler.call("on_step_end", None, None, TrainerControl())
+    assert control.should_save and SeesTheReplacement.seen == (True, ["model", "optimizer"])
+    assert isinstance(handler.pop_callback(Replace), Replace) and len(handler.callbacks) == 1
+    assert handler.pop_callback(Replace) is None
+    with pytest.raises(TypeError, match="defines none of the events"):
+        handler.add_callback(object())
+
+
+# -- in a world of two ---------------------------------------------------------------------------------------------
+
+class Events(TrainerCallback):
+    """Every event with the step it came at; the logs and metrics it was handed."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            def record(args, state, control, **kwargs):
+                extra = sorted((kwargs.get("logs") or kwargs.get("metrics") or {}).keys() & {"loss", "eval_loss"})
+                self.seen.append((name, state.global_step, *extra))
+            return record
+        return object.__getattribute__(self, name)
+
+
+class RankDecides(TrainerCallback):
+    """Rank 0 asks for an evaluation at step 2, a save at step 3 and a stop at step 5; rank 1 asks for a stop at
+    step 1 and a save at every step. Only rank 0's requests may take effect, on both ranks (the arguments
+    schedule no evaluation and no save)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.rank == 0:
+            control.should_evaluate = state.global_step == 2
+            control.should_save = state.global_step == 3
+            control.should_training_stop = state.global_step == 5
+        else:
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def _trainer(out, callbacks, n=24, **kw):
+    torch.manual_seed(0)
+    args = _args(out, **{"per_device_train_batch_size": 2, "max_steps": 8, **kw})
+    return Trainer(Classifier().double(), args, classification_data(n), eval_dataset=classification_data(6, seed=1),
+                   callbacks=callbacks)
+
+
+def callbacks_world(world, out):
+    events = Events()
+    trainer = _trainer(f"{out}/events", [events], eval_strategy="steps", eval_steps=4, save_strategy="steps",
+                       save_steps=4)
+    trainer.train()
+    decides = _trainer(f"{out}/decides", [RankDecides(world.rank)])
+    decides.train()
+    decided = ([e["step"] for e in decides.state.log_history if "eval_loss" in e], decides.state.global_step,
+               sorted(n for n in os.listdir(f"{out}/decides") if n.startswith("checkpoint-")))
+    # A callback on rank 0 only: the ranks agree once that callbacks exist, then on the flags at every step.
+    lonely = _trainer(f"{out}/lonely", [RankDecides(0)] if world.rank == 0 else [])
+    lonely.train()
+    return events.seen, decided, lonely.state.global_step, _params(decides.model)
+
+
+def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
+    results = run_world(callbacks_world, world_size=2, args=(str(tmp_path),))
+    (seen0, decided0, lonely0, params0), (seen1, decided1, lonely1, params1) = results
+    assert seen0 == seen1  # every event on every rank, at the same steps
+    names = [e[0] for e in seen0]
+    assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]
+    assert names[-1] == "on_train_end" and names.count("on_step_end") == 8 and names.count("on_save") == 2
+    step4 = [e for e in seen0 if e[1] == 4]
+    assert step4 == [("on_step_end", 4), ("on_log", 4, "loss"), ("on_log", 4, "eval_loss"),
+                     ("on_evaluate", 4, "eval_loss"), ("on_save", 4), ("on_step_begin", 4)]
+    # Rank 0's requests took effect on both ranks; rank 1's (stop at step 1, save at every step) did not.
+    assert decided0 == decided1 == ([2], 5, ["checkpoint-3"])
+    assert all((a == b).all() for a, b in zip(params0, params1))
+    assert lonely0 == lonely1 == 5
+
+
+def early_stopping_world(world, out):
+    from transformers import EarlyStoppingCallback
+
+    # Any change below the threshold is no improvement: the second evaluation (step 4) exhausts a patience of 1.
+    trainer = _trainer(out, [EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1e9)],
+                       max_steps=20, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                       load_best_model_at_end=True)
+    trainer.train()
+    return trainer.state.global_step, trainer.state.best_model_checkpoint, trainer.state.best_metric
+
+
+def test_transformers_early_stopping_stops_every_rank_after_the_same_evaluation(tmp_path):
+    pytest.importorskip("transformers")
+    (step0, best0, metric0), (step1, best1, metric1) = run_world(early_stopping_world, world_size=2,
+                                                                  args=(str(tmp_path),))
+    assert step0 == step1 == 4
+    assert best0 == best1 and best0 is not None and metric0 == metric1
