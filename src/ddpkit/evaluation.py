@@ -87,7 +87,9 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     shards = gather_objects(comm, local, "evaluation predictions")
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     preds = np.concatenate([s[1] for s in shards if s[1] is not None])[order]
-    label_ids = np.concatenate([s[2] for s in shards if s[2] is not None])[order] if part.labels else None
+    # Whether there are labels is every rank's question alike: a rank without samples has none of its own.
+    labels = [s[2] for s in shards if s[2] is not None]
+    label_ids = np.concatenate(labels)[order] if labels else None
     return EvalPrediction(preds, label_ids)
 
 

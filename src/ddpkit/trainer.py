@@ -302,8 +302,8 @@ class Trainer:
     def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer.evaluate needs an eval_dataset")
+        if dataset is None or len(dataset) == 0:
+            raise ValueError("Trainer.evaluate needs an eval_dataset with at least one sample")
         start = time.perf_counter()
         mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size)
         with evaluation.eval_mode(self.model), torch.no_grad(), self.precision.autocast():
