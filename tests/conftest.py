@@ -25,8 +25,14 @@ import signal
 import socket
 import subprocess
 import time
+import hashlib
 import traceback
 from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 # Variables a surrounding launcher (or CI under SLURM) may have set; every launch in the tests starts without them.
 FOREIGN_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_.*|MASTER_ADDR|"
@@ -142,3 +148,107 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env
     if expect_errors:
         return [outcomes[r] for r in range(world_size)]
     return [outcomes[r][1] for r in range(world_size)]
+
+
+# -- comparing models: what the DDP and ZeRO tests check against single-process truth -----------------------------
+def fingerprint(module: "torch.nn.Module", buffers: bool = False) -> str:
+    """A hash of the parameters (and buffers: they differ between ranks after a forward, until the next)."""
+    digest = hashlib.sha256()
+    for name, tensor in list(module.named_parameters()) + (list(module.named_buffers()) if buffers else []):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def grads_of(module: "torch.nn.Module") -> dict[str, Any]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+def assert_close_grads(got: dict, want: dict, what: str, tol: float = 1e-5) -> None:
+    for name in want:
+        g, w = got[name], want[name]
+        if w is None or g is None:
+            assert g is None and w is None, f"{what}: {name} grad None mismatch (got {g is None}, want {w is None})"
+            continue
+        err = (g - w).abs().max().item()
+        assert err <= tol, f"{what}: {name} differs from single-process truth by {err:.3g}"
+
+
+# -- the Trainer's test models and data ----------------------------------------------------------------------------
+class Classifier(nn.Module):
+    def __init__(self, d_in=6, hidden=16, classes=3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Dropout(0.2), nn.Linear(hidden, classes))
+
+    def forward(self, x, labels=None, idx=None):
+        logits = self.net(x)
+        return {"loss": None if labels is None else F.cross_entropy(logits, labels), "logits": logits}
+
+
+class Tagger(nn.Module):
+    """Per-token classification: padding (label -100) changes nothing, so any batching gives the same sum."""
+
+    def __init__(self, vocab=11, dim=8, classes=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100),
+                "logits": logits}
+
+
+def classification_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(n)]
+
+
+def token_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, 9, (), generator=g))
+        ids = torch.randint(1, 11, (length,), generator=g)
+        out.append({"input_ids": ids, "labels": ids % 4})
+    return out
+
+
+def pad_collate(samples):
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, :len(s["input_ids"])] = s["input_ids"]
+        labels[row, :len(s["labels"])] = s["labels"]
+    return {"input_ids": ids, "labels": labels}
+
+
+def trainer_args(out, **kw):
+    """TrainingArguments for the small test runs: logs every step, saves nothing, constant learning rate."""
+    from ddpkit.args import TrainingArguments
+
+    base = dict(output_dir=str(out), learning_rate=0.05, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                seed=7, ddp_timeout=60, lr_scheduler_type="constant")
+    return TrainingArguments(**{**base, **kw})
+
+
+def params_of(model):
+    """Parameters as numpy arrays: tensors cannot travel back from a rank through spawn's queue."""
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
+
+
+def accuracy(pred):
+    return {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean()),
+            "n": float(len(pred.label_ids))}
+
+
+@pytest.fixture
+def local_world():
+    """In-process trainers make a world of one; tear it down so later forked ranks start clean."""
+    import ddpkit
+
+    yield
+    ddpkit.destroy_process_group()

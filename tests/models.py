@@ -98,3 +98,11 @@ def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: in
         return F.cross_entropy(model(x, rank=rank, step=step), y)
     out = model(x)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def truth_step(name, ref, x, y, world_size, step, shard):
+    """One process on the whole batch, backward: the mean over ranks of the shard losses (rank r's shard is
+    samples r*shard .. (r+1)*shard)."""
+    total = sum(loss(name, ref, x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard], r, step)
+                for r in range(world_size))
+    (total / world_size).backward()

@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_world
-from test_trainer import Classifier, _args, _params, classification_data
+from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
 from ddpkit.args import TrainingArguments
 from ddpkit.best import BestModel
@@ -56,7 +55,7 @@ class Scripted(Trainer):
 
 def _run(out, resume=None):
     torch.manual_seed(0)
-    args = _args(out, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps", eval_steps=2,
+    args = trainer_args(out, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps", eval_steps=2,
                  save_strategy="steps", save_steps=2, save_total_limit=2, load_best_model_at_end=True,
                  metric_for_best_model="score", lr_scheduler_type="linear")
     trainer = Scripted(Classifier().double(), args, classification_data(24), classification_data(6, seed=1))
@@ -71,13 +70,13 @@ def best_world(world, out):
         saved = json.load(f)
     best_weights = Classifier().double()
     load_checkpoint(f"{out}/run/checkpoint-4", model=best_weights)
-    at_end = _params(trainer.model)
+    at_end = params_of(trainer.model)
     # Resumed after the best was saved (checkpoint-6 was rotated away: copy the run up to step 6 again).
     resumed = _run(f"{out}/again")
     again = _run(f"{out}/again", resume=f"{out}/again/checkpoint-8")  # nothing left to do but load the best
     return (kept, saved["best_metric"], saved["best_model_checkpoint"], saved["best_global_step"], at_end,
-            _params(best_weights), resumed.state.best_model_checkpoint, again.state.best_model_checkpoint,
-            _params(again.model))
+            params_of(best_weights), resumed.state.best_model_checkpoint, again.state.best_model_checkpoint,
+            params_of(again.model))
 
 
 def test_the_best_checkpoint_is_kept_recorded_and_loaded_on_every_rank(tmp_path):

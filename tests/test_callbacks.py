@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_world
-from test_trainer import Classifier, _args, _params, classification_data
+from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
 from ddpkit.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from ddpkit.trainer import Trainer
@@ -85,7 +84,7 @@ class RankDecides(TrainerCallback):
 
 def _trainer(out, callbacks, n=24, **kw):
     torch.manual_seed(0)
-    args = _args(out, **{"per_device_train_batch_size": 2, "max_steps": 8, **kw})
+    args = trainer_args(out, **{"per_device_train_batch_size": 2, "max_steps": 8, **kw})
     return Trainer(Classifier().double(), args, classification_data(n), eval_dataset=classification_data(6, seed=1),
                    callbacks=callbacks)
 
@@ -102,7 +101,7 @@ def callbacks_world(world, out):
     # A callback on rank 0 only: the ranks agree once that callbacks exist, then on the flags at every step.
     lonely = _trainer(f"{out}/lonely", [RankDecides(0)] if world.rank == 0 else [])
     lonely.train()
-    return events.seen, decided, lonely.state.global_step, _params(decides.model)
+    return events.seen, decided, lonely.state.global_step, params_of(decides.model)
 
 
 def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):

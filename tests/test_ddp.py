@@ -7,50 +7,18 @@ several optimizer steps too, and the replicas must be bitwise identical across r
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import models
-from spawn import run_world
+from conftest import assert_close_grads, fingerprint, grads_of, run_world
 
 TOL = 1e-5
 SHARD = 4  # samples per rank
 STEPS = 4
-
-
-def _fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
-    """A hash of the parameters (and buffers: they differ between ranks after a forward, until the next)."""
-    digest = hashlib.sha256()
-    for name, tensor in list(module.named_parameters()) + (list(module.named_buffers()) if buffers else []):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
-
-
-def _assert_close_grads(got: dict, want: dict, what: str) -> None:
-    for name in want:
-        g, w = got[name], want[name]
-        if w is None or g is None:
-            assert g is None and w is None, f"{what}: {name} grad None mismatch (got {g is None}, want {w is None})"
-            continue
-        err = (g - w).abs().max().item()
-        assert err <= TOL, f"{what}: {name} differs from single-process truth by {err:.3g}"
-
-
-def _truth_step(name, ref, x, y, world_size, step):
-    """One process on the whole batch: the mean over ranks of the shard losses."""
-    total = sum(models.loss(name, ref, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step)
-                for r in range(world_size))
-    (total / world_size).backward()
 
 
 def train_against_truth(world, name, ddp_kwargs):
@@ -68,15 +36,15 @@ def train_against_truth(world, name, ddp_kwargs):
         opt.zero_grad()
         ref_opt.zero_grad()
         models.loss(name, ddp, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step).backward()
-        _truth_step(name, ref, x, y, n, step)
-        _assert_close_grads(_grads(ddp.module), _grads(ref), f"{name} step {step}")
+        models.truth_step(name, ref, x, y, n, step, SHARD)
+        assert_close_grads(grads_of(ddp.module), grads_of(ref), f"{name} step {step}")
         opt.step()
         ref_opt.step()
     for (pname, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
         err = (p - q).abs().max().item()
         assert err <= TOL, f"{name}: parameter {pname} differs after {STEPS} steps by {err:.3g}"
     early = None if ddp.reducer is None else (ddp.reducer.launched_during_backward, len(ddp.reducer.buckets))
-    return {"fingerprint": _fingerprint(ddp.module), "plan": ddp.bucket_plan, "early": early}
+    return {"fingerprint": fingerprint(ddp.module), "plan": ddp.bucket_plan, "early": early}
 
 
 def _set_eager(numel: int | None) -> None:
@@ -158,11 +126,11 @@ def silent_cases(world, eager_numel=None):
         for p in list(ddp.parameters()) + list(ref.parameters()):
             p.grad = None
         models.loss("branchy", ddp, x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD], r, step).backward()
-        _truth_step("branchy", ref, x, y, n, step)
-        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(a) step {step}")
+        models.truth_step("branchy", ref, x, y, n, step, SHARD)
+        assert_close_grads(grads_of(ddp.module), grads_of(ref), f"(a) step {step}")
     assert ddp.module.late_branch.weight.grad is not None
     assert ddp.module.never.weight.grad is None
-    report["a"] = _fingerprint(ddp.module)
+    report["a"] = fingerprint(ddp.module)
 
     # (b) two forwards, then two separate backward() calls.
     torch.manual_seed(2)
@@ -179,10 +147,10 @@ def silent_cases(world, eager_numel=None):
         loss2 = models.loss("mlp", ddp, x2[mine], y2[mine], r, 0)
         loss1.backward()
         loss2.backward()
-        _truth_step("mlp", ref, x1, y1, n, 0)
-        _truth_step("mlp", ref, x2, y2, n, 0)
-        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(b) step {step}")
-    report["b"] = _fingerprint(ddp.module)
+        models.truth_step("mlp", ref, x1, y1, n, 0, SHARD)
+        models.truth_step("mlp", ref, x2, y2, n, 0, SHARD)
+        assert_close_grads(grads_of(ddp.module), grads_of(ref), f"(b) step {step}")
+    report["b"] = fingerprint(ddp.module)
 
     # (c) one layer run twice under reentrant activation checkpointing.
     torch.manual_seed(3)
@@ -199,8 +167,8 @@ def silent_cases(world, eager_numel=None):
         truth = sum(torch.nn.functional.cross_entropy(ref(x[k * SHARD:(k + 1) * SHARD]),
                                                       y[k * SHARD:(k + 1) * SHARD]) for k in range(n))
         (truth / n).backward()
-        _assert_close_grads(_grads(ddp.module), _grads(ref), f"(c) step {step}")
-    report["c"] = _fingerprint(ddp.module)
+        assert_close_grads(grads_of(ddp.module), grads_of(ref), f"(c) step {step}")
+    report["c"] = fingerprint(ddp.module)
     # A backward that uses the layer more often than the first iteration did must fail in that iteration,
     # never reduce a stale bucket silently.
     x = torch.randn(SHARD, 6)
@@ -254,9 +222,9 @@ def accumulation_and_buffers(world):
                     models.loss("mlp", ddp, x[mine], y[mine], r, 0).backward()
                 if not last:  # still local: each rank holds only its own shard's gradient
                     out.setdefault(f"{mode}_local", []).append(ddp.module.net[0].weight.grad.sum().item())
-                _truth_step("mlp", ref, x, y, n, 0)
-            _assert_close_grads(_grads(ddp.module), _grads(ref), f"accumulation ({mode}) step {step}")
-        out[mode] = _fingerprint(ddp.module)
+                models.truth_step("mlp", ref, x, y, n, 0, SHARD)
+            assert_close_grads(grads_of(ddp.module), grads_of(ref), f"accumulation ({mode}) step {step}")
+        out[mode] = fingerprint(ddp.module)
 
     # Init broadcast: every rank builds its model from another seed; rank 0's weights win.
     torch.manual_seed(100 + r)
@@ -264,7 +232,7 @@ def accumulation_and_buffers(world):
     with torch.no_grad():
         model.bn1.running_mean.fill_(float(r))
     ddp = ddpkit.DistributedDataParallel(model)
-    out["init"] = _fingerprint(ddp.module, buffers=True)
+    out["init"] = fingerprint(ddp.module, buffers=True)
     # Buffers: each rank's running statistics drift apart in its own forward; at the start of every forward
     # that has grad enabled they are rank 0's again.
     seen = []
@@ -304,86 +272,6 @@ def test_model_mismatch_fails_on_every_rank():
     for status, text in outcomes:
         assert status == "error", "a rank built a DDP over a mismatched model"
         assert "rank 1" in text and "net.0.weight" in text and "[31, 12]" in text, text
-
-
-# -- comm hooks ---------------------------------------------------------------------------------------------------
-def comm_hooks(world):
-    import ddpkit
-    from ddpkit import hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
-
-    r, n = world.rank, world.world_size
-    mine = slice(r * SHARD, (r + 1) * SHARD)
-    errors = {}
-    for label, state, hook, tol in (("allreduce", None, hooks.allreduce_hook, TOL),
-                                    ("fp16", None, hooks.fp16_compress_hook, 2e-3),
-                                    ("bf16", None, hooks.bf16_compress_hook, 2e-2),
-                                    ("torch_allreduce", None, torch_hooks.allreduce_hook, TOL)):
-        torch.manual_seed(5)
-        model = models.MLP()
-        ref = copy.deepcopy(model)
-        ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.002)
-        ddp.register_comm_hook(state, hook)
-        worst = 0.0
-        for step in range(2):
-            x, y = models.batch("mlp", SHARD * n, seed=60 + step)
-            for p in list(ddp.parameters()) + list(ref.parameters()):
-                p.grad = None
-            models.loss("mlp", ddp, x[mine], y[mine], r, 0).backward()
-            _truth_step("mlp", ref, x, y, n, 0)
-            for p, q in zip(ddp.module.parameters(), ref.parameters()):
-                worst = max(worst, ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item())
-        assert worst <= tol, f"{label}: relative error {worst:.3g} over {tol}"
-        errors[label] = (worst, _fingerprint(ddp.module))
-        with pytest.raises(RuntimeError, match="only once"):
-            ddp.register_comm_hook(None, hook)
-    return errors
-
-
-def test_comm_hooks():
-    a, b = run_world(comm_hooks, 2)
-    for label in a:
-        assert a[label][1] == b[label][1], f"{label}: replicas diverged"
-    assert a["fp16"][0] > 0, "fp16 compression changed nothing: the hook did not run"
-
-
-# -- construction errors (no processes needed) --------------------------------------------------------------------
-def test_meaningless_arguments_fail_clearly():
-    import ddpkit
-
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        ddpkit.DistributedDataParallel(models.MLP(), bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="device_ids"):
-        ddpkit.DistributedDataParallel(models.MLP(), device_ids=[0])
-    with pytest.raises(ValueError, match="output_device"):
-        ddpkit.DistributedDataParallel(models.MLP(), output_device=0)
-    frozen = models.MLP().requires_grad_(False)
-    with pytest.raises(RuntimeError, match="requires a gradient"):  # torch's type for the same misuse
-        ddpkit.DistributedDataParallel(frozen)
-    with pytest.raises(NotImplementedError, match="mixed_precision"):  # torch's argument, not ddpkit's
-        ddpkit.DistributedDataParallel(models.MLP(), mixed_precision=object())
-    with pytest.raises(TypeError, match="bogus"):  # an argument neither wrapper has: Python's TypeError
-        ddpkit.DistributedDataParallel(models.MLP(), bogus=1)
-
-
-def test_world_of_one_is_a_thin_wrapper():
-    """No process group at all: the wrapper still works and its state_dict has torch's keys."""
-    import ddpkit
-
-    model = models.MLP()
-    ddp = ddpkit.DistributedDataParallel(model)
-    torch_keys = ["module." + k for k in model.state_dict()]
-    assert list(ddp.state_dict()) == torch_keys
-    x, y = models.batch("mlp", 4, 0)
-    with ddp.no_sync():
-        models.loss("mlp", ddp, x, y, 0, 0).backward()
-    assert ddp.module is model and model.net[0].weight.grad is not None
-    assert ddp.reducer is None
-    # Code that unwraps torch's wrapper by type (accelerate, the Transformers Trainer) unwraps ours too.
-    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
-    assert ddp.broadcast_buffers is True and ddp.bucket_bytes_cap == 25 * 1024 * 1024
-    ddp.train(False)
-    assert not model.training
 
 
 # -- regressions found in review ----------------------------------------------------------------------------------
@@ -498,144 +386,3 @@ def test_review_regressions():
     assert a["late_branch grad after a failed backward"] is None
     assert a["no_sync forward inside=True"] != b["no_sync forward inside=True"], "no_sync forward synchronised"
     assert a["no_sync forward inside=False"] == b["no_sync forward inside=False"], "synced forward did not sync"
-
-
-# -- torch's wrapper's contract where accelerate and others rely on it ---------------------------------------------
-def _trigger_sync_run(wrap, model, name, r, n, find_unused):
-    """Three forwards under no_sync, two plain backwards, then the third backward after accelerate's
-    trigger_sync_in_backward (both flags set, reducer.prepare_for_backward([])). Gradients per iteration."""
-    mine = slice(r * SHARD, (r + 1) * SHARD)
-    ddp = wrap(model, bucket_cap_mb=0.002, find_unused_parameters=find_unused)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    grads = []
-    for step in range(3):
-        opt.zero_grad(set_to_none=True)
-        if step == 0 and find_unused:  # a plain synchronised step first: its walk must not outlive it
-            models.loss(name, ddp, *models.batch(name, SHARD, seed=90), r, 0).backward()
-            opt.zero_grad(set_to_none=True)
-        micro = [models.batch(name, SHARD * n, seed=70 + 3 * step + k) for k in range(3)]
-        with ddp.no_sync():
-            losses = [models.loss(name, ddp, x[mine], y[mine], r, 1) for x, y in micro]
-        losses[0].backward()
-        losses[1].backward()
-        old = ddp.require_backward_grad_sync, ddp.require_forward_param_sync
-        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
-        ddp.reducer.prepare_for_backward([])
-        losses[2].backward()
-        ddp.require_backward_grad_sync, ddp.require_forward_param_sync = old
-        grads.append(_grads(ddp.module))
-        opt.step()
-    return grads
-
-
-def trigger_sync_in_backward(world):
-    import ddpkit
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    r, n = world.rank, world.world_size
-    out = {}
-    # torch's wrapper cannot take prepare_for_backward([]) with find_unused_parameters=True (its empty walk marks
-    # every parameter unused, and the first gradient then raises "marked as ready twice"), nor a model with
-    # unused parameters without it: the Branchy case is checked against one process only.
-    for name, find_unused in (("mlp", False), ("branchy", True)):
-        torch.manual_seed(6)
-        model = models.make(name)
-        theirs, ref = copy.deepcopy(model), copy.deepcopy(model)
-        ours = _trigger_sync_run(ddpkit.DistributedDataParallel, model, name, r, n, find_unused)
-        torch_grads = None if find_unused else _trigger_sync_run(TorchDDP, theirs, name, r, n, find_unused)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        worst_torch = worst_truth = 0.0
-        for step in range(3):
-            ref_opt.zero_grad(set_to_none=True)
-            if step == 0 and find_unused:
-                x0, y0 = models.batch(name, SHARD, seed=90)
-                (sum(models.loss(name, ref, x0, y0, k, 0) for k in range(n)) / n).backward()
-                ref_opt.zero_grad(set_to_none=True)
-            for k in range(3):  # the sum of the three micro-batches' averaged losses
-                x, y = models.batch(name, SHARD * n, seed=70 + 3 * step + k)
-                _truth_step(name, ref, x, y, n, 1)
-            truth = _grads(ref)
-            ref_opt.step()
-            _assert_close_grads(ours[step], truth, f"trigger_sync {name} step {step}")
-            for key, want in truth.items():
-                got = ours[step][key]
-                if got is not None:
-                    worst_truth = max(worst_truth, (got - want).abs().max().item())
-                if torch_grads is not None:
-                    theirs_g = torch_grads[step][key]
-                    assert (got is None) == (theirs_g is None), f"{name} {key}: None where torch's is not"
-                    if got is not None:
-                        worst_torch = max(worst_torch, (got - theirs_g).abs().max().item())
-        out[name] = (None if torch_grads is None else worst_torch, worst_truth, _fingerprint(model))
-    return out
-
-
-def test_prepare_for_backward_overrides_the_forward_decision():
-    """accelerate's trigger_sync_in_backward after several forwards under no_sync: the last backward reduces
-    the sum of all three micro-batches, as with torch's wrapper (to 1e-6) and one process (to TOL)."""
-    a, b = run_world(trigger_sync_in_backward, 2)
-    for name in a:
-        for res in (a, b):
-            worst_torch, worst_truth, _ = res[name]
-            assert (worst_torch is None) == (name == "branchy")
-            assert worst_torch is None or worst_torch <= 1e-6, f"{name}: off torch's wrapper by {worst_torch:.3g}"
-            assert worst_truth <= TOL, f"{name}: off single-process truth by {worst_truth:.3g}"
-        assert a[name][2] == b[name][2], f"{name}: replicas diverged"
-
-
-def buffers_under_no_sync(world):
-    import ddpkit
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    r, n = world.rank, world.world_size
-    mine = slice(r * SHARD, (r + 1) * SHARD)
-    torch.manual_seed(7 + r)  # different on every rank: the init broadcast makes them rank 0's
-    model = models.ConvBN()
-    runs = {}
-    for label, wrap, module in (("ddpkit", ddpkit.DistributedDataParallel, model),
-                                ("torch", TorchDDP, copy.deepcopy(model))):
-        ddp = wrap(module, bucket_cap_mb=0.002)
-        broadcasts = []
-        if label == "ddpkit":
-            comm, send = ddp._comm, ddp._comm.broadcast_tensors
-            comm.broadcast_tensors = lambda *a, **k: (broadcasts.append(1), send(*a, **k))[1]
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        seen = []
-        for step in range(3):
-            opt.zero_grad(set_to_none=True)
-            for k in range(3):
-                x, y = models.batch("convbn", SHARD * n, seed=80 + 3 * step + k)
-                if step == 1:  # nanoGPT's way: the flag set directly
-                    ddp.require_backward_grad_sync = k == 2
-                    models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
-                else:
-                    with ddp.no_sync() if k < 2 else contextlib.nullcontext():
-                        models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
-                seen.append([b.clone() for b in module.buffers()])
-            opt.step()
-        # accelerate's trigger_sync_in_backward sets require_forward_param_sync: the next forward broadcasts.
-        for force in (False, False, True):
-            ddp.require_forward_param_sync |= force
-            with ddp.no_sync():
-                models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
-            seen.append([b.clone() for b in module.buffers()])
-        if label == "ddpkit":
-            del comm.broadcast_tensors
-        runs[label] = (seen, len(broadcasts), _fingerprint(module))
-    mismatches = [(i, j) for i, (ours, theirs) in enumerate(zip(runs["ddpkit"][0], runs["torch"][0]))
-                  for j, (a, b) in enumerate(zip(ours, theirs)) if not torch.equal(a, b)]
-    return {"mismatches": mismatches, "broadcasts": runs["ddpkit"][1], "params": runs["ddpkit"][2],
-            "torch_params": runs["torch"][2], "stats": [t.tolist() for t in runs["ddpkit"][0][1]]}
-
-
-def test_buffers_follow_require_forward_param_sync_like_torch():
-    """BatchNorm statistics under no_sync accumulation equal torch's wrapper's bitwise: only the forward after a
-    synchronised one broadcasts rank 0's buffers, so accumulation pays one broadcast per step."""
-    a, b = run_world(buffers_under_no_sync, 2)
-    for res in (a, b):
-        assert not res["mismatches"], f"buffers differ from torch's (micro-step, buffer): {res['mismatches']}"
-        # One per accumulation step (3); after them, one for the forward that follows the synchronised one, none
-        # for the next, one after the flag was set.
-        assert res["broadcasts"] == 5, res["broadcasts"]
-    assert a["stats"] != b["stats"], "buffers were broadcast inside no_sync"
-    assert a["params"] == b["params"]

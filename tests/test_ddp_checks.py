@@ -154,3 +154,42 @@ def test_forward_sync_buffers_attribute_and_property():
     assert ddp.forward_sync_buffers is True and len(ddp._buffers_to_sync) == len(list(ddp.module.buffers()))
     ddp.forward_sync_buffers = False
     assert ddp._buffers_to_sync == []
+
+
+# -- construction errors (no processes needed) --------------------------------------------------------------------
+def test_meaningless_arguments_fail_clearly():
+    import ddpkit
+
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ddpkit.DistributedDataParallel(models.MLP(), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="device_ids"):
+        ddpkit.DistributedDataParallel(models.MLP(), device_ids=[0])
+    with pytest.raises(ValueError, match="output_device"):
+        ddpkit.DistributedDataParallel(models.MLP(), output_device=0)
+    frozen = models.MLP().requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires a gradient"):  # torch's type for the same misuse
+        ddpkit.DistributedDataParallel(frozen)
+    with pytest.raises(NotImplementedError, match="mixed_precision"):  # torch's argument, not ddpkit's
+        ddpkit.DistributedDataParallel(models.MLP(), mixed_precision=object())
+    with pytest.raises(TypeError, match="bogus"):  # an argument neither wrapper has: Python's TypeError
+        ddpkit.DistributedDataParallel(models.MLP(), bogus=1)
+
+
+def test_world_of_one_is_a_thin_wrapper():
+    """No process group at all: the wrapper still works and its state_dict has torch's keys."""
+    import ddpkit
+
+    model = models.MLP()
+    ddp = ddpkit.DistributedDataParallel(model)
+    torch_keys = ["module." + k for k in model.state_dict()]
+    assert list(ddp.state_dict()) == torch_keys
+    x, y = models.batch("mlp", 4, 0)
+    with ddp.no_sync():
+        models.loss("mlp", ddp, x, y, 0, 0).backward()
+    assert ddp.module is model and model.net[0].weight.grad is not None
+    assert ddp.reducer is None
+    # Code that unwraps torch's wrapper by type (accelerate, the Transformers Trainer) unwraps ours too.
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    assert ddp.broadcast_buffers is True and ddp.bucket_bytes_cap == 25 * 1024 * 1024
+    ddp.train(False)
+    assert not model.training

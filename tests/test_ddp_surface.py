@@ -7,6 +7,8 @@ fields (ddpkit.ddp_surface.INHERITED).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dis
 import inspect
 
@@ -17,7 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import models
+from conftest import assert_close_grads, fingerprint, grads_of, run_world
 
+SHARD = 4  # samples per rank, as in test_ddp.py
+TOL = 1e-5
 ABC_INTERNALS = {"__abstractmethods__", "_abc_impl"}
 
 
@@ -140,3 +145,144 @@ def test_active_ddp_module_for_dynamo():
             assert TorchDDP._get_active_ddp_module().bucket_bytes_cap == DYNAMO_FIRST_BUCKET_BYTES
         assert TorchDDP._get_active_ddp_module() is ddp
     assert TorchDDP._get_active_ddp_module() is None
+
+
+# -- torch's wrapper's contract where accelerate and others rely on it ---------------------------------------------
+def _trigger_sync_run(wrap, model, name, r, n, find_unused):
+    """Three forwards under no_sync, two plain backwards, then the third backward after accelerate's
+    trigger_sync_in_backward (both flags set, reducer.prepare_for_backward([])). Gradients per iteration."""
+    mine = slice(r * SHARD, (r + 1) * SHARD)
+    ddp = wrap(model, bucket_cap_mb=0.002, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        if step == 0 and find_unused:  # a plain synchronised step first: its walk must not outlive it
+            models.loss(name, ddp, *models.batch(name, SHARD, seed=90), r, 0).backward()
+            opt.zero_grad(set_to_none=True)
+        micro = [models.batch(name, SHARD * n, seed=70 + 3 * step + k) for k in range(3)]
+        with ddp.no_sync():
+            losses = [models.loss(name, ddp, x[mine], y[mine], r, 1) for x, y in micro]
+        losses[0].backward()
+        losses[1].backward()
+        old = ddp.require_backward_grad_sync, ddp.require_forward_param_sync
+        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])
+        losses[2].backward()
+        ddp.require_backward_grad_sync, ddp.require_forward_param_sync = old
+        grads.append(grads_of(ddp.module))
+        opt.step()
+    return grads
+
+
+def trigger_sync_in_backward(world):
+    import ddpkit
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    r, n = world.rank, world.world_size
+    out = {}
+    # torch's wrapper cannot take prepare_for_backward([]) with find_unused_parameters=True (its empty walk marks
+    # every parameter unused, and the first gradient then raises "marked as ready twice"), nor a model with
+    # unused parameters without it: the Branchy case is checked against one process only.
+    for name, find_unused in (("mlp", False), ("branchy", True)):
+        torch.manual_seed(6)
+        model = models.make(name)
+        theirs, ref = copy.deepcopy(model), copy.deepcopy(model)
+        ours = _trigger_sync_run(ddpkit.DistributedDataParallel, model, name, r, n, find_unused)
+        torch_grads = None if find_unused else _trigger_sync_run(TorchDDP, theirs, name, r, n, find_unused)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        worst_torch = worst_truth = 0.0
+        for step in range(3):
+            ref_opt.zero_grad(set_to_none=True)
+            if step == 0 and find_unused:
+                x0, y0 = models.batch(name, SHARD, seed=90)
+                (sum(models.loss(name, ref, x0, y0, k, 0) for k in range(n)) / n).backward()
+                ref_opt.zero_grad(set_to_none=True)
+            for k in range(3):  # the sum of the three micro-batches' averaged losses
+                x, y = models.batch(name, SHARD * n, seed=70 + 3 * step + k)
+                models.truth_step(name, ref, x, y, n, 1, SHARD)
+            truth = grads_of(ref)
+            ref_opt.step()
+            assert_close_grads(ours[step], truth, f"trigger_sync {name} step {step}")
+            for key, want in truth.items():
+                got = ours[step][key]
+                if got is not None:
+                    worst_truth = max(worst_truth, (got - want).abs().max().item())
+                if torch_grads is not None:
+                    theirs_g = torch_grads[step][key]
+                    assert (got is None) == (theirs_g is None), f"{name} {key}: None where torch's is not"
+                    if got is not None:
+                        worst_torch = max(worst_torch, (got - theirs_g).abs().max().item())
+        out[name] = (None if torch_grads is None else worst_torch, worst_truth, fingerprint(model))
+    return out
+
+
+def test_prepare_for_backward_overrides_the_forward_decision():
+    """accelerate's trigger_sync_in_backward after several forwards under no_sync: the last backward reduces
+    the sum of all three micro-batches, as with torch's wrapper (to 1e-6) and one process (to TOL)."""
+    a, b = run_world(trigger_sync_in_backward, 2)
+    for name in a:
+        for res in (a, b):
+            worst_torch, worst_truth, _ = res[name]
+            assert (worst_torch is None) == (name == "branchy")
+            assert worst_torch is None or worst_torch <= 1e-6, f"{name}: off torch's wrapper by {worst_torch:.3g}"
+            assert worst_truth <= TOL, f"{name}: off single-process truth by {worst_truth:.3g}"
+        assert a[name][2] == b[name][2], f"{name}: replicas diverged"
+
+
+def buffers_under_no_sync(world):
+    import ddpkit
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    r, n = world.rank, world.world_size
+    mine = slice(r * SHARD, (r + 1) * SHARD)
+    torch.manual_seed(7 + r)  # different on every rank: the init broadcast makes them rank 0's
+    model = models.ConvBN()
+    runs = {}
+    for label, wrap, module in (("ddpkit", ddpkit.DistributedDataParallel, model),
+                                ("torch", TorchDDP, copy.deepcopy(model))):
+        ddp = wrap(module, bucket_cap_mb=0.002)
+        broadcasts = []
+        if label == "ddpkit":
+            comm, send = ddp._comm, ddp._comm.broadcast_tensors
+            comm.broadcast_tensors = lambda *a, **k: (broadcasts.append(1), send(*a, **k))[1]
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        seen = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            for k in range(3):
+                x, y = models.batch("convbn", SHARD * n, seed=80 + 3 * step + k)
+                if step == 1:  # nanoGPT's way: the flag set directly
+                    ddp.require_backward_grad_sync = k == 2
+                    models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+                else:
+                    with ddp.no_sync() if k < 2 else contextlib.nullcontext():
+                        models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+                seen.append([b.clone() for b in module.buffers()])
+            opt.step()
+        # accelerate's trigger_sync_in_backward sets require_forward_param_sync: the next forward broadcasts.
+        for force in (False, False, True):
+            ddp.require_forward_param_sync |= force
+            with ddp.no_sync():
+                models.loss("convbn", ddp, x[mine], y[mine], r, 0).backward()
+            seen.append([b.clone() for b in module.buffers()])
+        if label == "ddpkit":
+            del comm.broadcast_tensors
+        runs[label] = (seen, len(broadcasts), fingerprint(module))
+    mismatches = [(i, j) for i, (ours, theirs) in enumerate(zip(runs["ddpkit"][0], runs["torch"][0]))
+                  for j, (a, b) in enumerate(zip(ours, theirs)) if not torch.equal(a, b)]
+    return {"mismatches": mismatches, "broadcasts": runs["ddpkit"][1], "params": runs["ddpkit"][2],
+            "torch_params": runs["torch"][2], "stats": [t.tolist() for t in runs["ddpkit"][0][1]]}
+
+
+def test_buffers_follow_require_forward_param_sync_like_torch():
+    """BatchNorm statistics under no_sync accumulation equal torch's wrapper's bitwise: only the forward after a
+    synchronised one broadcasts rank 0's buffers, so accumulation pays one broadcast per step."""
+    a, b = run_world(buffers_under_no_sync, 2)
+    for res in (a, b):
+        assert not res["mismatches"], f"buffers differ from torch's (micro-step, buffer): {res['mismatches']}"
+        # One per accumulation step (3); after them, one for the forward that follows the synchronised one, none
+        # for the next, one after the flag was set.
+        assert res["broadcasts"] == 5, res["broadcasts"]
+    assert a["stats"] != b["stats"], "buffers were broadcast inside no_sync"
+    assert a["params"] == b["params"]

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from conftest import run_world
-from test_trainer import Classifier, _args, accuracy, classification_data
+from conftest import Classifier, accuracy, classification_data, run_world, trainer_args
 
 from ddpkit.trainer import Trainer
 
 
 def one_sample_world(world, out):
     torch.manual_seed(0)
-    trainer = Trainer(Classifier().double(), _args(out, max_steps=1), classification_data(8),
+    trainer = Trainer(Classifier().double(), trainer_args(out, max_steps=1), classification_data(8),
                       classification_data(1, seed=1), compute_metrics=accuracy)
     trainer.train()
     metrics = trainer.evaluate()

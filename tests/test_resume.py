@@ -1,17 +1,23 @@
-"""The resume policy on checkpoint folders: which one a run resumes from, and which rotation must keep."""
+"""Resuming: the policy on checkpoint folders (which one a run resumes from, which rotation must keep), and Trainer
+runs resumed on the same world size (bitwise) and on another one (every sample once, every epoch covered)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import Classifier, classification_data, params_of, run_world, trainer_args
+
 from ddpkit import integrity
+from ddpkit.checkpoint import write_json
 from ddpkit.args import ArgumentError
 from ddpkit.resume import choose_checkpoint, protected_checkpoints, read_trainer_state
+from ddpkit.trainer import Trainer
 
 
 def _checkpoints(out, *steps):
@@ -61,3 +67,163 @@ def test_rotation_keeps_the_named_checkpoint_only(tmp_path):
     assert protected_checkpoints(two) == (two,)
     assert protected_checkpoints(True) == () and protected_checkpoints(None) == ()
     assert read_trainer_state(two) == {"global_step": 2}
+
+
+# -- Trainer runs resumed -------------------------------------------------------------------------------------------
+class Recorder(Trainer):
+    """Notes (step about to be taken, epoch, sample ids) for every training micro-batch."""
+
+    seen: list
+
+    def get_train_sampler(self):
+        self.seen = []
+        self.sampler = super().get_train_sampler()
+        return self.sampler
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self.seen.append((self.state.global_step + 1, self.sampler.epoch, inputs["idx"].tolist()))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3, logging_steps=1):
+    torch.manual_seed(0)
+    model = Classifier().double()  # dropout on: the restored RNG must give the same masks
+    args = trainer_args(out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
+                 save_strategy="steps", save_steps=save_steps, lr_scheduler_type="cosine", warmup_steps=2,
+                 logging_steps=logging_steps)
+    trainer = Recorder(model, args, classification_data(n))
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in trainer.state.log_history
+            if "loss" in e]
+    return logs, params_of(model), trainer.seen
+
+
+def resume_same_world(world, out):
+    full = _resumable_run(f"{out}/full")
+    from3 = _resumable_run(f"{out}/from3", resume=f"{out}/full/checkpoint-3")  # mid epoch 0
+    from6 = _resumable_run(f"{out}/from6", resume=f"{out}/full/checkpoint-6")  # mid epoch 1
+    newest = _resumable_run(f"{out}/full", resume=True, max_steps=10)  # True: the newest, checkpoint-8
+    # Logs every 4 steps, checkpoints at 3 and 6: each resume starts between two logs, and its first logged loss
+    # must still cover the 4 steps the uninterrupted run's covers.
+    sparse = [_resumable_run(f"{out}/sparse", logging_steps=4)]
+    sparse += [_resumable_run(f"{out}/sparse{k}", resume=f"{out}/sparse/checkpoint-{k}", logging_steps=4)
+               for k in (3, 6)]
+    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse
+
+
+def test_resume_with_the_same_world_size_is_bitwise(tmp_path):
+    results = run_world(resume_same_world, 2, args=(str(tmp_path),), deadline_s=150)
+    for full, from3, from6, newest, files, sparse in results:
+        assert [entry[0] for entry in sparse[0][0]] == [4, 8]
+        for resumed in sparse[1:]:
+            assert resumed[0] == sparse[0][0], "a resumed run logged another loss than the uninterrupted one"
+        logs, params, _ = full
+        assert [entry[0] for entry in logs] == list(range(1, 9))
+        for resumed in (from3, from6):
+            assert resumed[0] == logs  # loss, grad norm and learning rate of every step, bit for bit
+            for x, y in zip(resumed[1], params):
+                np.testing.assert_array_equal(x, y)
+        assert newest[0][:8] == logs and [entry[0] for entry in newest[0][8:]] == [9, 10]
+        assert {seen[0] for seen in newest[2]} == {9, 10}
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "sampler_state.json", "trainer_state.json",
+                "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+
+
+def resume_across_worlds(world, out, resume, max_steps):
+    _, _, seen = _resumable_run(f"{out}/w{world.world_size}", resume=resume, max_steps=max_steps, n=24,
+                                save_steps=2)
+    return seen
+
+
+def _ids(seen, epoch, before=None, after=None):
+    return [i for step, e, ids in seen if e == epoch and (before is None or step < before)
+            and (after is None or step > after) for i in ids]
+
+
+def test_resume_with_another_world_size_skips_and_repeats_nothing(tmp_path):
+    out = str(tmp_path)
+    # 24 samples; 2 ranks x batch 2 x accumulation 2 = 8 per step (3 steps an epoch), 1 rank: 4 (6 an epoch).
+    two = run_world(resume_across_worlds, 2, args=(out, None, 12), deadline_s=120)
+    (one,) = run_world(resume_across_worlds, 1, args=(out, f"{out}/w2/checkpoint-4", 12), deadline_s=120)
+    again = run_world(resume_across_worlds, 2, args=(out, f"{out}/w1/checkpoint-10", 12), deadline_s=120)
+    with open(f"{out}/w2/checkpoint-4/sampler_state.json") as f:
+        assert json.load(f)["epoch"] == 1  # checkpoint-4 is one step into epoch 1: 8 of its samples done
+    with open(f"{out}/w1/checkpoint-10/sampler_state.json") as f:
+        assert json.load(f)["epoch"] == 2  # 4 steps of 4 finish epoch 1, 2 more are 8 samples into epoch 2
+    seen_two = [entry for rank in two for entry in rank]
+    seen_again = [entry for rank in again for entry in rank]
+    epoch1 = _ids(seen_two, 1, before=5) + _ids(one, 1)
+    epoch2 = _ids(one, 2, before=11) + _ids(seen_again, 2)
+    assert sorted(epoch1) == list(range(24)), "epoch 1 across 2 -> 1 ranks"
+    assert sorted(epoch2) == list(range(24)), "epoch 2 across 1 -> 2 ranks"
+    assert {step for step, _, _ in one} == set(range(5, 13))
+    assert {step for rank in again for step, _, _ in rank} == {11, 12}
+    assert len(_ids(seen_again, 2)) == 16 and not _ids(seen_again, 3)
+
+
+def epochs_across_worlds(world, out, resume):
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                 num_train_epochs=2, save_strategy="steps", save_steps=2)
+    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer.seen, trainer.state.global_step
+
+
+def test_training_by_epochs_resumed_on_another_world_size_covers_every_epoch(tmp_path):
+    """2 ranks x 2 x 2 = 8 samples a step (6 steps for 2 epochs of 24); resumed on 1 rank (4 a step) after
+    step 2, the run must still cover the rest of both epochs: 32 more samples, not the 4 steps the first
+    plan had left."""
+    out = str(tmp_path)
+    two = run_world(epochs_across_worlds, 2, args=(out, None), deadline_s=120)
+    assert two[0][1] == 6
+    ((seen, last_step),) = run_world(epochs_across_worlds, 1, args=(out, f"{out}/w2/checkpoint-2"), deadline_s=120)
+    assert last_step == 10
+    first_part = [i for rank in two for step, epoch, ids in rank[0] if step <= 2 for i in ids]
+    epoch0 = [i for step, epoch, ids in seen if epoch == 0 for i in ids] + first_part
+    epoch1 = [i for step, epoch, ids in seen if epoch == 1 for i in ids]
+    assert sorted(epoch0) == list(range(24)) and sorted(epoch1) == list(range(24))
+
+
+def restarted_with_a_named_checkpoint(world, out):
+    """The launcher restarted the job (TORCHELASTIC_RESTART_COUNT=1) whose arguments name an older checkpoint:
+    it must continue from the newest one, not redo the steps since, and rotation must have kept the named one."""
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/run", per_device_train_batch_size=2, max_steps=8, save_strategy="steps", save_steps=2,
+                 save_total_limit=1, resume_from_checkpoint=f"{out}/run/checkpoint-2")
+    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer.train()
+    return trainer.seen, trainer.world.restart
+
+
+def first_run(world, out):
+    args = trainer_args(f"{out}/first", per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(Classifier().double(), args, classification_data(24)).train()
+
+
+def test_a_restart_continues_from_the_newest_checkpoint(tmp_path):
+    import shutil
+
+    out = str(tmp_path)
+    run_world(first_run, 2, args=(out,), deadline_s=120)
+    # The first attempt of the job, resumed from run/checkpoint-2, got to checkpoint-6 before failing.
+    os.makedirs(f"{out}/run")
+    for step in (2, 6):
+        shutil.copytree(f"{out}/first/checkpoint-2", f"{out}/run/checkpoint-{step}")
+        with open(f"{out}/run/checkpoint-{step}/trainer_state.json") as f:
+            state = json.load(f)
+        state["global_step"] = step
+        with open(f"{out}/run/checkpoint-{step}/trainer_state.json", "w") as f:
+            json.dump(state, f)
+        folder = f"{out}/run/checkpoint-{step}"  # a forged checkpoint needs a marker that matches its files
+        names = [n for n in os.listdir(folder) if n != integrity.MARKER_FILE]
+        write_json(os.path.join(folder, integrity.MARKER_FILE), integrity.manifest(folder, names, step))
+    results = run_world(restarted_with_a_named_checkpoint, 2, args=(out,), deadline_s=120,
+                        env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    for seen, restart in results:
+        assert restart == 1
+        assert min(step for step, _, _ in seen) == 7, "the restart went back before the newest checkpoint"
+    # save_total_limit=1 rotated the others away, but never the checkpoint the arguments name
+    kept = sorted(name for name in os.listdir(f"{out}/run") if name.startswith("checkpoint-"))
+    assert kept == ["checkpoint-2", "checkpoint-8"], kept
