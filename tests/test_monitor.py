@@ -245,60 +245,6 @@ def test_a_resolved_stall_is_not_blamed_later_and_the_rank_that_left_is():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The reasoning, without processes
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_explanations_come_within_a_minute_then_at_each_doubling():
-    from ddpkit import diagnosis
-
-    assert diagnosis.default_threshold(1800) == 60 and diagnosis.default_threshold(100) == 20
-    assert diagnosis.explanation_times(60, 1800) == [60, 120, 240, 480, 960]
-    assert diagnosis.explanation_times(2, 8) == [2, 4]
-    assert [diagnosis.explanation_due(1.5, n) for n in range(4)] == [1.5, 3, 6, 12]
-    assert diagnosis.explanation_times(0, 100) == []
-
-
-def _state(rank, published, seq, op, what, wait_id, issued=()):
-    return {"rank": rank, "host": "h", "pid": 100 + rank, "published": published, "done_seq": (seq or 1) - 1,
-            "done_what": "", "stack": f'  File "train.py", line {10 + rank}, in main\n',
-            "issued": [list(x) for x in issued],
-            "waiting": None if seq is None else {"seq": seq, "op": op, "what": what, "for_s": 1.0, "id": wait_id}}
-
-
-def test_a_deadlock_is_certain_only_from_fresh_states_of_every_rank():
-    from ddpkit.diagnosis import left_deadlock, mismatch_deadlock
-
-    before = {0: _state(0, 5, 7, "all_reduce", "eval loss", 3), 1: _state(1, 4, 7, "barrier", "save_model", 9)}
-    now = {0: _state(0, 6, 7, "all_reduce", "eval loss", 3), 1: _state(1, 5, 7, "barrier", "save_model", 9)}
-    report = mismatch_deadlock(before, now)
-    assert report.startswith("DEADLOCK") and "ORDER MISMATCH at collective #7: rank 0 called all_reduce (eval " \
-        "loss) where rank 1 called barrier (save_model)" in report
-    assert "train.py\", line 10" in report and "train.py\", line 11" in report  # where each rank called it
-    assert mismatch_deadlock({}, now) is None  # seen once: could be a state from before the wait
-    stale = {**now, 1: _state(1, 4, 7, "barrier", "save_model", 9)}  # rank 1 did not publish again
-    assert mismatch_deadlock(before, stale) is None
-    other_wait = {**now, 1: _state(1, 5, 7, "barrier", "save_model", 10)}  # a new wait since the last poll
-    assert mismatch_deadlock(before, other_wait) is None
-    computing = {**now, 1: _state(1, 5, None, "", "", 0)}
-    assert mismatch_deadlock(before, computing) is None
-    same = {r: _state(r, 6 - r, 7, "all_reduce", "loss", 3) for r in (0, 1)}  # a slow collective, no conflict
-    assert mismatch_deadlock({r: _state(r, 5 - r, 7, "all_reduce", "loss", 3) for r in (0, 1)}, same) is None
-    # different positions, but their issued collectives part at #5: rank 1 skipped an all-reduce there
-    skipped_before = {0: _state(0, 1, 6, "barrier", "end", 4, [(5, "all_reduce", "a")]),
-                      1: _state(1, 1, 5, "barrier", "end", 2)}
-    skipped_now = {r: {**st, "published": 2} for r, st in skipped_before.items()}
-    assert "ORDER MISMATCH at collective #5: rank 0 called all_reduce (a) where rank 1 called barrier (end)" \
-        in mismatch_deadlock(skipped_before, skipped_now)
-    # a rank that left after #6: a wait in #7 can never end; one in #6 may still (its data may be in flight)
-    marker = {1: {"rank": 1, "seq": 6, "what": "all_reduce (logged loss)", "how": "its process exited"}}
-    report = left_deadlock(now[0], marker)
-    assert report.startswith("rank 1 left the job early (its process exited) after collective #6 all_reduce "
-                             "(logged loss): the root cause. Rank 0 waits for it in collective #7"), report
-    assert left_deadlock(_state(0, 6, 6, "all_reduce", "logged loss", 3), marker) is None
-
-
-# ---------------------------------------------------------------------------------------------------------
 # From outside: the launcher's summary
 # ---------------------------------------------------------------------------------------------------------
 
