@@ -65,12 +65,15 @@ class Events(TrainerCallback):
 
 
 class RankDecides(TrainerCallback):
-    """Rank 0 asks for an evaluation at step 2, a save at step 3 and a stop at step 5; rank 1 asks for a stop at
-    step 1 and a save at every step. Only rank 0's requests may take effect, on both ranks (the arguments
+    """Rank 0 asks for an evaluation at step 2, a save at step 3 and a stop at step 5; rank 1 asks for a stop when
+    training begins, at step 1, and a save at every step. Only rank 0's requests may take effect, on both ranks (the arguments
     schedule no evaluation and no save)."""
 
     def __init__(self, rank):
         self.rank = rank
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        control.should_training_stop = self.rank != 0  # rank 1 would not even start
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.rank == 0:

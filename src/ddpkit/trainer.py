@@ -191,6 +191,7 @@ class Trainer:
         self._agreement.start(self.callback_handler)
         self.control.should_training_stop = False
         self._fire("on_train_begin")
+        self._agreement.settle(self.control, "train begin")
         with self._stop:
             TrainingLoop(self, sampler, run).run(sampler_state)
             run.bar.close()
