@@ -19,7 +19,7 @@ from torch import nn
 
 from .precision import Precision
 from .window import Window
-from .zero_trainer import clip_grad_norm
+from .zero_trainer import clip_grad_norm, wait_for_params
 
 MicroStep = Callable[[nn.Module, Any, float], torch.Tensor]
 
@@ -45,10 +45,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, params: lis
     # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(optimizer, params, limit)
-    precision.step(optimizer)
-    scheduler.step()
+    if precision.step(optimizer):
+        scheduler.step()  # as Transformers: a step fp16 skipped (inf/nan gradients) does not advance the schedule
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
-__all__ = ["accumulate", "optimizer_step"]
+__all__ = ["accumulate", "optimizer_step", "wait_for_params"]

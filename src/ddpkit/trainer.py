@@ -84,7 +84,7 @@ class Trainer:
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
-        self.precision = Precision.for_args(args, self.world.device)
+        self.precision = Precision.for_args(args, self.world.device, self.comm)
         self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(model.forward).parameters
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or default_collate
@@ -110,7 +110,7 @@ class Trainer:
                           pin_memory=self.world.device.type == "cuda")
 
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
+        """args.optim; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
         if self.optimizer is None:
             self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size)
         return self.optimizer
@@ -139,7 +139,9 @@ class Trainer:
         check_train_data(self.train_dataset, self.world.world_size)
         lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
         try:
-            return self._train(resume_from_checkpoint)
+            output = self._train(resume_from_checkpoint)
+            step.wait_for_params(self.optimizer)  # stage 2 leaves the last step's all-gathers in flight: finish them
+            return output
         finally:
             lock.release()
 
@@ -183,7 +185,8 @@ class Trainer:
     def _resume(self, path: str) -> dict | None:
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
-                                                      scheduler=self.lr_scheduler, world=self.world)
+                                                      scheduler=self.lr_scheduler, world=self.world,
+                                                      scaler=self.precision.scaler)
         self.state.global_step = trainer_state["global_step"]
         self.state.log_history = trainer_state.get("log_history", [])
         self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
@@ -323,7 +326,8 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.args.output_dir, self.state.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(), sampler_state=sampler.state_dict(),
-            comm=self.comm, world=self.world, save_total_limit=self.args.save_total_limit, keep=self._keep)
+            comm=self.comm, world=self.world, save_total_limit=self.args.save_total_limit, keep=self._keep,
+            scaler=self.precision.scaler)
 
     def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank."""
