@@ -19,21 +19,23 @@ from torch import nn
 
 from .precision import Precision
 from .window import Window
+from .wrap import ddp_of
 from .zero_trainer import clip_grad_norm, wait_for_params
 
 MicroStep = Callable[[nn.Module, Any, float], torch.Tensor]
 
 
-def accumulate(wrapped: nn.Module, unwrapped: nn.Module, window: Window, filler: Any,
-               micro_step: MicroStep, device: torch.device) -> torch.Tensor:
+def accumulate(wrapped: nn.Module, window: Window, filler: Any, micro_step: MicroStep,
+               device: torch.device) -> torch.Tensor:
     """Run the window's micro-steps; gradients are reduced over the ranks on the last one only."""
     wrapped.train()
+    ddp = ddp_of(wrapped)  # None in a world of one; under torch_compile, the wrapper inside the compiled module
     share = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(window.micro_steps):
         real = i < len(window.batches)
         batch = window.batches[i] if real else filler
         last = i == window.micro_steps - 1
-        with contextlib.nullcontext() if last or wrapped is unwrapped else wrapped.no_sync():
+        with contextlib.nullcontext() if last or ddp is None else ddp.no_sync():
             share += micro_step(wrapped, batch, 1.0 if real else 0.0)
     return share
 

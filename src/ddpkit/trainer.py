@@ -39,7 +39,6 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from . import checkpoint, evaluation, model_io, optim, resume, step
 from .args import TrainingArguments
 from .comm import Comm, barrier, decided_by_main, init_process_group, max_over_ranks
-from .ddp import DistributedDataParallel
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, due, plan_for
@@ -49,7 +48,7 @@ from .sampler import DistributedSampler
 from .state import EvalPrediction, TrainerState, TrainOutput
 from .timeline import CHECKPOINT, DATA_WAIT, EVALUATION, attach_timeline
 from .window import StopRequest, Window, agree_on_window, take_batches
-from .wrap import prepare_model
+from .wrap import ddp_of, prepare_model
 
 get_scheduler = optim.get_scheduler
 
@@ -85,7 +84,7 @@ class Trainer:
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
         self.precision = Precision.for_args(args, self.world.device, self.comm)
-        self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(model.forward).parameters
+        self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(self.model.forward).parameters
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or default_collate
         self.compute_metrics = compute_metrics
@@ -223,8 +222,9 @@ class Trainer:
 
     def _maybe_check_replicas(self) -> None:
         every = self.args.ddp_replica_check_steps
-        if every and self.state.global_step % every == 0 and isinstance(self.model_wrapped, DistributedDataParallel):
-            self.model_wrapped.check_replicas(f"replica check at step {self.state.global_step}")
+        ddp = ddp_of(self.model_wrapped)  # torch_compile: the wrapper inside the compiled module
+        if every and self.state.global_step % every == 0 and ddp is not None:
+            ddp.check_replicas(f"replica check at step {self.state.global_step}")
 
     def _after_step(self, run: Progress, step_loss: torch.Tensor, grad_norm: float, samples: int) -> None:
         run.step(samples)
@@ -251,7 +251,7 @@ class Trainer:
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
         """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
         filler = window.batches[-1] if window.batches else self._filler()
-        share = step.accumulate(self.model_wrapped, self.model, window, filler,
+        share = step.accumulate(self.model_wrapped, window, filler,
                                 lambda model, batch, weight: self._micro_step(model, batch, window.items, weight),
                                 self.world.device)
         grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
