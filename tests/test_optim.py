@@ -124,3 +124,28 @@ def test_two_ranks_equal_one_process_for_sgd_adafactor_and_fused_adamw(tmp_path)
     # The runs differ from each other: the optimizer choice reached the step.
     assert not np.allclose(one[("sgd", 0)][0][0], one[("adafactor", 0)][0][0])
     assert not np.allclose(one[("adafactor", 0)][0][0], one[("adamw_torch_fused", 2)][0][0])
+
+
+def _resumable(out, optim, extra, stage, resume=None):
+    torch.manual_seed(0)
+    model = Classifier().double()  # dropout on: the restored RNG gives the same masks
+    args = _args(out, per_device_train_batch_size=3, max_steps=6, optim=optim, optim_args=extra,
+                 ddp_zero_stage=stage, save_strategy="steps", save_steps=3, weight_decay=0.01)
+    Trainer(model, args, classification_data(30)).train(resume_from_checkpoint=resume)
+    return _params(model)
+
+
+def resume_world(world, out):
+    found = {}
+    for optim, extra, stage in (("adafactor", None, 1), ("sgd", "momentum=0.9", 2)):
+        full = _resumable(f"{out}/{optim}", optim, extra, stage)
+        again = _resumable(f"{out}/{optim}-again", optim, extra, stage, resume=f"{out}/{optim}/checkpoint-3")
+        found[optim] = (full, again)
+    return found
+
+
+def test_a_run_resumed_with_sgd_or_adafactor_under_zero_is_the_uninterrupted_one_bitwise(tmp_path):
+    for rank in run_world(resume_world, 2, args=(str(tmp_path),), deadline_s=120):
+        for optim, (full, again) in rank.items():
+            for x, y in zip(full, again):
+                np.testing.assert_array_equal(x, y, err_msg=optim)  # momentum and row/column statistics restored
