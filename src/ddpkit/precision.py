@@ -66,7 +66,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
     or the replicas part (stage 1/2), and the all-gathers after the step would not match. Under plain DDP the
     averaged gradients are the same everywhere, so the agreement changes nothing there but costs one all-reduce of
     one number per step (the scaler's step reads found-inf on the host anyway). The scale therefore moves the same
-    on every rank, and its state_dict is rank 0's. Overriding `_unscale_grads_` is what torch's own FSDP
+    on every rank, and the state_dict rank 0 saves is every rank's. Overriding `_unscale_grads_` is what torch's own FSDP
     ShardedGradScaler does for the same reason.
     """
 
@@ -81,7 +81,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in step_gradients(optimizer):
             if grad.dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")  # torch's words: keep weights in fp32
+                raise ValueError("Attempting to unscale FP16 gradients: fp16 keeps the weights in float32 (autocast "
+                                 "runs the float16 operations); build the model in float32, not .half()")
             by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
         with torch.no_grad():
             for (device, _), grads in by_kind.items():
