@@ -24,7 +24,7 @@ from ddpkit.wrap import ddp_of, prepare_model
 
 # float64. Observed here: aot_eager bitwise (it runs eager's operations), inductor's parameters within 1.1e-16 and
 # its losses bitwise (its fused kernels may sum in another order).
-TOL = {"aot_eager": 1e-12, "inductor": 1e-10}
+TOL = {"aot_eager": 1e-12, "aot_eager zero 2": 1e-12, "inductor": 1e-10}
 
 
 def test_in_a_world_of_one_the_compiled_module_trains_and_the_plain_one_is_kept(tmp_path):
@@ -80,6 +80,9 @@ def compile_world(world, out):
     runs = {"eager": _train(f"{out}/eager")}
     runs["aot_eager"] = _train(f"{out}/aot_eager", torch_compile=True, torch_compile_backend="aot_eager")
     graphs = counters["stats"]["unique_graphs"]
+    # ZeRO stage 2 compiled: its forward first waits for the last step's parameter all-gathers.
+    runs["aot_eager zero 2"] = _train(f"{out}/zero2", torch_compile=True, torch_compile_backend="aot_eager",
+                                      ddp_zero_stage=2)
     runs["inductor"] = _train(f"{out}/inductor", torch_compile=True)
     return runs, graphs, os.path.isdir(os.path.join(out, "eager"))
 
