@@ -249,3 +249,61 @@ def test_under_the_launcher_a_bad_flag_is_reported_once(tmp_path):
     assert done.returncode != 0
     assert said.count("max_steps: must be > 0") == 1, said
     assert "usage:" not in said, said
+
+
+# -- fp16, torch_compile, optim (issue 12) --------------------------------------------------------------------------
+
+FLAG_ERRORS = [
+    ("fp16", dict(fp16=True, bf16=True), "bf16"),
+    ("optim", dict(optim="lion"), "adamw_torch, adamw_torch_fused, sgd, adafactor"),
+    ("optim", dict(optim="adafactor", ddp_zero_stage=2), "ddp_zero_stage 0 or 1"),
+    ("optim_args", dict(optim="sgd", optim_args="momentum"), "k1=v1,k2=v2"),
+    ("optim_args", dict(optim="sgd", optim_args="betas=0.9"), "momentum, dampening, nesterov"),
+    ("optim_args", dict(optim="adamw_torch", optim_args="momentum=0.9"), "its keys: none"),
+    ("optim_args", dict(optim="sgd", optim_args="momentum=fast"), "must be a number"),
+    ("optim_args", dict(optim="sgd", optim_args="nesterov=maybe"), "true or false"),
+    ("optim_args", dict(optim="sgd", optim_args="nesterov=true"), "momentum > 0"),
+    ("optim_args", dict(optim="sgd", optim_args="momentum=-1"), ">= 0"),
+    ("optim_args", dict(optim="adafactor", optim_args="d=0.5"), "d >= 1"),
+    ("torch_compile_backend", dict(torch_compile=True, torch_compile_backend="nope"), "inductor"),
+    ("torch_compile_backend", dict(torch_compile_backend="nope"), "inductor"),  # naming one turns compile on
+    ("torch_compile_mode", dict(torch_compile_mode="fast"), "max-autotune"),
+    ("torch_compile_mode", dict(torch_compile_backend="aot_eager", torch_compile_mode="max-autotune"), "inductor"),
+]
+if not torch.cuda.is_available():
+    FLAG_ERRORS.append(("fp16", dict(fp16=True), "on a CPU use bf16"))
+
+
+@pytest.mark.parametrize("field,kwargs,hint", FLAG_ERRORS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(FLAG_ERRORS)])
+def test_the_transformers_flags_fail_naming_the_field_and_the_fix(field, kwargs, hint):
+    with pytest.raises(ArgumentError) as err:
+        TrainingArguments(**kwargs)
+    assert err.value.field == field and str(err.value).startswith(f"{field}:")
+    assert hint in str(err.value)
+
+
+def test_the_transformers_flags_parse_with_their_defaults():
+    args = TrainingArguments()
+    assert (args.fp16, args.optim, args.optim_args) == (False, "adamw_torch", None)
+    assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (False, "inductor", None)
+    args = parse_args(["--optim", "sgd", "--optim_args", "momentum=0.9, nesterov=true", "--torch_compile",
+                       "--torch_compile_backend", "aot_eager"])
+    assert (args.optim, args.optim_args, args.torch_compile, args.torch_compile_backend) == (
+        "sgd", "momentum=0.9, nesterov=true", True, "aot_eager")
+    from ddpkit.validation import parse_optim_args
+
+    assert parse_optim_args(args.optim_args, "sgd") == {"momentum": 0.9, "nesterov": True}
+    assert parse_optim_args("beta2_decay=-0.5,d=2", "adafactor") == {"beta2_decay": -0.5, "d": 2.0}
+    # As Transformers: naming a mode (or a backend other than the default) turns compilation on.
+    assert parse_args(["--torch_compile_mode", "max-autotune"]).torch_compile is True
+    assert TrainingArguments(torch_compile_backend="eager").torch_compile is True
+    assert TrainingArguments(optim="adafactor", ddp_zero_stage=1).optim == "adafactor"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid on this machine")
+def test_fp16_on_a_cpu_fails_on_the_command_line_suggesting_bf16(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--fp16"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--fp16" in err and "CUDA" in err and "bf16" in err

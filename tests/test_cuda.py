@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import os
 
 import pytest
 import torch
@@ -71,3 +73,47 @@ def test_nccl_truth():
         assert worst <= 1e-4, worst
     assert results[0][1] == results[1][1]
 
+
+
+
+def fp16_trainer(world, out, stage):
+    """fp16 on CUDA in the Trainer: float16 autocast, the CUDA GradScaler, skips agreed over NCCL, scaler.pt."""
+    from test_trainer import Classifier, _args, classification_data
+
+    from ddpkit.checkpoint import load_checkpoint
+    from ddpkit.precision import AgreedGradScaler
+    from ddpkit.trainer import Trainer
+
+    torch.cuda.set_device(world.rank)
+    torch.manual_seed(0)
+    model = Classifier()
+    data = [{**sample, "x": sample["x"].float()} for sample in classification_data(48)]
+    args = _args(f"{out}/run", fp16=True, max_steps=6, save_strategy="steps", save_steps=3,
+                 per_device_train_batch_size=4, ddp_zero_stage=stage)
+    trainer = Trainer(model, args, data)
+    trainer.train()
+    restored = AgreedGradScaler("cuda", init_scale=1.0)
+    load_checkpoint(f"{out}/run/checkpoint-6", scaler=restored, world=world)
+    return {"dtype": str(trainer.precision.dtype), "scale": trainer.precision.scaler.get_scale(),
+            "restored": restored.get_scale(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "params": [p.detach().cpu().double().sum().item() for p in model.parameters()],
+            "files": os.listdir(f"{out}/run/checkpoint-6")}
+
+
+def _check_fp16(results):
+    for got in results:
+        assert got["dtype"] == "torch.float16" and "scaler.pt" in got["files"]
+        assert got["scale"] <= 65536.0 and got["restored"] == got["scale"]
+        assert len(got["losses"]) == 6 and all(math.isfinite(loss) for loss in got["losses"])
+    assert all(got["params"] == results[0]["params"] and got["scale"] == results[0]["scale"] for got in results)
+
+
+@needs_cuda
+def test_fp16_trains_on_one_gpu_and_checkpoints_its_scale(tmp_path):
+    _check_fp16(run_world(fp16_trainer, 1, args=(str(tmp_path), 0), backend="nccl", start_method="spawn"))
+
+
+@needs_two
+def test_fp16_under_zero_stage_2_on_two_gpus_skips_alike(tmp_path):
+    _check_fp16(run_world(fp16_trainer, 2, args=(str(tmp_path), 2), backend="nccl", start_method="spawn",
+                          deadline_s=300))

@@ -40,8 +40,9 @@ class TrainingArguments:
     per_device_train_batch_size: int = _field(8, "Training batch size per process (per data-parallel rank).")
     per_device_eval_batch_size: int = _field(8, "Evaluation batch size per process.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")
-    learning_rate: float = _field(5e-5, "Peak learning rate of AdamW.")
-    weight_decay: float = _field(0.0, "AdamW decoupled weight decay (not applied to biases and norm weights).")
+    learning_rate: float = _field(5e-5, "Peak learning rate of the optimizer (optim).")
+    weight_decay: float = _field(0.0, "Weight decay (decoupled for AdamW and Adafactor, L2 for sgd); not applied to "
+                                                 "biases and norm weights.")
     adam_beta1: float = _field(0.9, "AdamW beta1.")
     adam_beta2: float = _field(0.999, "AdamW beta2.")
     adam_epsilon: float = _field(1e-8, "AdamW epsilon.")
@@ -70,6 +71,24 @@ class TrainingArguments:
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
     dataloader_drop_last: bool = _field(False, "Drop each process's last incomplete training batch.")
     bf16: bool = _field(False, "Run forward passes under bfloat16 autocast (CPU and recent GPUs).")
+    # Transformers' fp16, torch_compile and optim flags (ddpkit.precision, ddpkit.wrap, ddpkit.optim):
+    fp16: bool = _field(False, "float16 autocast with a gradient scaler (torch.amp.GradScaler): the loss is scaled, "
+                               "gradients unscaled before clipping, a step with inf/nan gradients skipped (with its "
+                               "schedule step) on every rank alike; CUDA only (on a CPU use bf16).")
+    torch_compile: bool = _field(False, "torch.compile the training model: the DDP wrapper is compiled (Dynamo "
+                                        "splits the graph at its buckets, so the all-reduces overlap the compiled "
+                                        "backward); evaluation and saving use the plain module.")
+    torch_compile_backend: str = _field("inductor", "torch.compile backend (torch._dynamo.list_backends()); a "
+                                                    "backend other than inductor turns torch_compile on.")
+    torch_compile_mode: str | None = _field(None, "torch.compile mode of inductor, one of "
+                                                  "torch._inductor.list_mode_options(); setting it turns "
+                                                  "torch_compile on.")
+    optim: str = _field("adamw_torch", "Optimizer: adamw_torch (torch.optim.AdamW), adamw_torch_fused (its fused "
+                                       "kernel; CPU and GPU), sgd (torch.optim.SGD), adafactor "
+                                       "(torch.optim.Adafactor: learning_rate caps its relative step; not "
+                                       "Transformers' own Adafactor, whose steps differ).")
+    optim_args: str | None = _field(None, "Optimizer arguments as 'k1=v1,k2=v2': sgd takes momentum, dampening, "
+                                          "nesterov; adafactor takes beta2_decay, d.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
                                                  "(calls model.gradient_checkpointing_enable()).")
     resume_from_checkpoint: str | None = _field(None, "Checkpoint folder to resume from; 'true': the newest in "
@@ -110,6 +129,8 @@ class TrainingArguments:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.torch_compile_mode is not None or self.torch_compile_backend != "inductor":
+            self.torch_compile = True  # Transformers: naming a mode or a backend asks for compilation
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
             if 1 <= value < math.inf:  # validate() names a non-finite one

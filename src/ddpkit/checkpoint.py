@@ -10,6 +10,7 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     model.safetensors        weights of the unwrapped model (safetensors: tensors only, no code)
     optimizer.pt             optimizer.state_dict(), read back with torch.load(weights_only=True)
     scheduler.pt             scheduler.state_dict(), likewise
+    scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
     trainer_state.json       global_step, log_history, ... in the Transformers format
@@ -49,6 +50,7 @@ PREFIX = "checkpoint"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
 SAMPLER_FILE = "sampler_state.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
@@ -134,8 +136,11 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampler_state, rng_states) -> None:
+def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
+                  scaler=None) -> None:
     save_model(model, os.path.join(folder, MODEL_FILE))
+    if scaler is not None:  # the same on every rank: the ranks agree on every skip (ddpkit.precision)
+        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_FILE))
     if optimizer is not None:
         torch.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
     if scheduler is not None:
@@ -216,7 +221,7 @@ def _publish(tmp: str, final: str) -> None:
 def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, trainer_state: dict,
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
-                    save_total_limit: int | None = None, keep: tuple[str, ...] = ()) -> str:
+                    save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
@@ -236,7 +241,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                 remove_stale(output_dir)
                 os.makedirs(tmp)
             _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
-                          rng_states)
+                          rng_states, scaler)
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
@@ -335,7 +340,7 @@ def _load_into(target: Any, file: str, device: torch.device | str) -> None:
 
 def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                    world: DistEnv | None = None) -> LoadedCheckpoint:
+                    world: DistEnv | None = None, scaler: Any = None) -> LoadedCheckpoint:
     """Load what `save_checkpoint` wrote into model, optimizer and scheduler (each optional) on this rank.
 
     The folder is checked against its completion marker first: a missing, truncated or corrupt file raises
@@ -363,6 +368,8 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
         _load_into(optimizer, os.path.join(path, OPTIMIZER_FILE), device)
     if scheduler is not None:
         _load_into(scheduler, os.path.join(path, SCHEDULER_FILE), "cpu")
+    if scaler is not None and os.path.isfile(os.path.join(path, SCALER_FILE)):  # none: saved without fp16
+        _load_into(scaler, os.path.join(path, SCALER_FILE), "cpu")
     trainer_state = read_trainer_state(path)
     sampler_file = os.path.join(path, SAMPLER_FILE)
     sampler_state = _read_json(sampler_file) if os.path.isfile(sampler_file) else None

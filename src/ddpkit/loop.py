@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import model_io
-from .ddp import DistributedDataParallel
 from .report import Progress
 from .timeline import DATA_WAIT
 from .window import Window, agree_on_window, take_batches
+from .wrap import ddp_of
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -108,8 +108,9 @@ class TrainingLoop:
                    "samples_per_second": run.clock.lap()})
         run.show(t.state.last_logged("loss"), logged=logging)
         every = t.args.ddp_replica_check_steps
-        if every and step % every == 0 and isinstance(t.model_wrapped, DistributedDataParallel):
-            t.model_wrapped.check_replicas(f"replica check at step {step}")
+        ddp = ddp_of(t.model_wrapped)  # torch_compile: the wrapper inside the compiled module
+        if every and step % every == 0 and ddp is not None:
+            ddp.check_replicas(f"replica check at step {step}")
 
 
 __all__ = ["TrainingLoop"]

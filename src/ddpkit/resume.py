@@ -64,10 +64,11 @@ def protected_checkpoints(named: str | bool | None) -> tuple[str, ...]:
     return (named,) if isinstance(named, str) else ()
 
 
-def restore(path: str, *, model, optimizer, scheduler, world) -> tuple[dict[str, Any], dict | None]:
-    """Load a checkpoint into model, optimizer and scheduler, and this rank's RNG; its trainer_state and sampler
-    position. The RNG is set last: nothing may draw from it before training goes on."""
-    loaded = checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+def restore(path: str, *, model, optimizer, scheduler, world, scaler=None) -> tuple[dict[str, Any], dict | None]:
+    """Load a checkpoint into model, optimizer, scheduler (and fp16's scaler), and this rank's RNG; its
+    trainer_state and sampler position. The RNG is set last: nothing may draw from it before training goes on."""
+    loaded = checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, world=world,
+                                        scaler=scaler)
     checkpoint.set_rng_state(loaded.rng_state)
     return loaded.trainer_state, loaded.sampler_state
 

@@ -36,7 +36,8 @@ class Saves:
         here = os.path.isdir(self.folder(step)) if self.world.is_main else None
         return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
 
-    def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict) -> str:
+    def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
+             scaler: Any = None) -> str:
         """checkpoint-<state.global_step>, with the state's best_model_checkpoint already naming it if it is the
         best; call it on every rank."""
         step = state.global_step
@@ -45,7 +46,7 @@ class Saves:
         return checkpoint.save_checkpoint(
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
             trainer_state=state.to_dict(), sampler_state=sampler_state, comm=self.comm, world=self.world,
-            save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)))
+            save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""

@@ -19,21 +19,23 @@ from torch import nn
 
 from .precision import Precision
 from .window import Window
-from .zero_trainer import clip_grad_norm
+from .wrap import ddp_of
+from .zero_trainer import clip_grad_norm, wait_for_params
 
 MicroStep = Callable[[nn.Module, Any, float], torch.Tensor]
 
 
-def accumulate(wrapped: nn.Module, unwrapped: nn.Module, window: Window, filler: Any,
-               micro_step: MicroStep, device: torch.device) -> torch.Tensor:
+def accumulate(wrapped: nn.Module, window: Window, filler: Any, micro_step: MicroStep,
+               device: torch.device) -> torch.Tensor:
     """Run the window's micro-steps; gradients are reduced over the ranks on the last one only."""
     wrapped.train()
+    ddp = ddp_of(wrapped)  # None in a world of one; under torch_compile, the wrapper inside the compiled module
     share = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(window.micro_steps):
         real = i < len(window.batches)
         batch = window.batches[i] if real else filler
         last = i == window.micro_steps - 1
-        with contextlib.nullcontext() if last or wrapped is unwrapped else wrapped.no_sync():
+        with contextlib.nullcontext() if last or ddp is None else ddp.no_sync():
             share += micro_step(wrapped, batch, 1.0 if real else 0.0)
     return share
 
@@ -45,10 +47,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, params: lis
     # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(optimizer, params, limit)
-    precision.step(optimizer)
-    scheduler.step()
+    if precision.step(optimizer):
+        scheduler.step()  # as Transformers: a step fp16 skipped (inf/nan gradients) does not advance the schedule
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
-__all__ = ["accumulate", "optimizer_step"]
+__all__ = ["accumulate", "optimizer_step", "wait_for_params"]

@@ -89,8 +89,8 @@ class Trainer:
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
-        self.precision = Precision.for_args(args, self.world.device)
-        self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(model.forward).parameters
+        self.precision = Precision.for_args(args, self.world.device, self.comm)
+        self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(self.model.forward).parameters
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or default_collate
         self.compute_metrics = compute_metrics
@@ -142,7 +142,7 @@ class Trainer:
                           generator=torch.Generator().manual_seed(_data_seed(self.args)))
 
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
+        """args.optim; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
         if self.optimizer is None:
             self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size)
         return self.optimizer
@@ -171,7 +171,9 @@ class Trainer:
         check_train_data(self.train_dataset, self.world.world_size)
         lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
         try:
-            return self._train(resume_from_checkpoint)
+            output = self._train(resume_from_checkpoint)
+            step.wait_for_params(self.optimizer)  # stage 2 leaves the last step's all-gathers in flight: finish them
+            return output
         finally:
             lock.release()
 
@@ -204,6 +206,7 @@ class Trainer:
                 return TrainOutput(self.state.global_step, self._loss.mean(),
                                    {**run.summary(self._loss.mean()), "stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
+        step.wait_for_params(self.optimizer)  # stage 2's last all-gathers must not land on the loaded weights
         self.saves.load_best(self.model, self.state)
         metrics = run.summary(self._loss.mean())
         self.log(metrics)
@@ -213,7 +216,8 @@ class Trainer:
     def _resume(self, path: str) -> dict | None:
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
-                                                      scheduler=self.lr_scheduler, world=self.world)
+                                                      scheduler=self.lr_scheduler, world=self.world,
+                                                      scaler=self.precision.scaler)
         self.state.global_step = trainer_state["global_step"]
         for name in ("log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
@@ -224,7 +228,7 @@ class Trainer:
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
         """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
         filler = window.batches[-1] if window.batches else self._filler()
-        share = step.accumulate(self.model_wrapped, self.model, window, filler,
+        share = step.accumulate(self.model_wrapped, window, filler,
                                 lambda model, batch, weight: self._micro_step(model, batch, window.items, weight),
                                 self.world.device)
         grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
@@ -296,7 +300,8 @@ class Trainer:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self.state.loss_since_last_log, self.state.steps_since_last_log = self._loss.unlogged_part()
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer,
-                                 scheduler=self.lr_scheduler, sampler_state=sampler.state_dict())
+                                 scheduler=self.lr_scheduler, sampler_state=sampler.state_dict(),
+                                 scaler=self.precision.scaler)
         self._fire("on_save")
         return folder
 

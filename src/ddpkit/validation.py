@@ -17,6 +17,11 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES = ("no", "steps", "epoch")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
 REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")  # Transformers' names (ddpkit.optim)
+# The keys optim_args may set for each optimizer (Transformers' "k1=v1,k2=v2"), and the type of each value.
+OPTIM_ARGS: dict[str, dict[str, type]] = {"adamw_torch": {}, "adamw_torch_fused": {},
+                                          "sgd": {"momentum": float, "dampening": float, "nesterov": bool},
+                                          "adafactor": {"beta2_decay": float, "d": float}}
 
 
 class ArgumentError(ValueError):
@@ -109,6 +114,7 @@ def validate(args: Any) -> None:
          "must be an existing checkpoint folder, or 'true' for the newest in output_dir")
     _validate_best_model(args, need)
     _validate_ddp(args, need)
+    _validate_flags(args, need)
     if args.bf16:
         need(torch.cuda.is_available() is False or torch.cuda.is_bf16_supported(), "bf16",
              "this GPU does not support bfloat16")
@@ -154,4 +160,61 @@ def _validate_ddp(args: Any, need: Callable[[bool, str, str], None]) -> None:
              "cannot be true together with gradient_checkpointing; leave it unset or set it false")
 
 
-__all__ = ["ArgumentError", "validate"]
+# -- fp16, torch_compile, optim (issue 12) ------------------------------------------------------------------------
+
+def parse_optim_args(text: str | None, optim: str) -> dict[str, float | bool]:
+    """optim_args "k1=v1,k2=v2" as keyword arguments of `optim`'s class; ArgumentError naming a bad key or value."""
+    allowed, out = OPTIM_ARGS.get(optim, {}), {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed:
+            keys = ", ".join(allowed) or "none"
+            raise ArgumentError("optim_args", f"{item!r} is not key=value with a key {optim} takes (its keys: "
+                                              f"{keys}); write them as k1=v1,k2=v2")
+        if allowed[key] is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ArgumentError("optim_args", f"{key} must be true or false (got {value!r})")
+            out[key] = value.lower() in ("true", "1")
+        else:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ArgumentError("optim_args", f"{key} must be a number (got {value!r})") from None
+    return out
+
+
+def _validate_flags(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    """fp16, the torch_compile fields and optim: Transformers' flags, checked before any process group."""
+    need(not (args.fp16 and args.bf16), "fp16", "cannot be combined with bf16: choose one (bf16 needs no gradient "
+                                                "scaler where the hardware has it)")
+    need(not args.fp16 or torch.cuda.is_available(), "fp16", "needs a CUDA GPU (float16 autocast with a gradient "
+                                                             "scaler) and none is visible here; on a CPU use bf16")
+    need(args.optim in OPTIMIZERS, "optim", f"must be one of {', '.join(OPTIMIZERS)}")
+    options = parse_optim_args(args.optim_args, args.optim)
+    need(not options.get("nesterov") or (options.get("momentum", 0) > 0 and options.get("dampening", 0) == 0),
+         "optim_args", "nesterov=true needs momentum > 0 and dampening=0 (torch.optim.SGD's rule)")
+    need(all(v >= 0 for k, v in options.items() if k in ("momentum", "dampening")), "optim_args",
+         "momentum and dampening must be >= 0")
+    need(options.get("beta2_decay", -0.8) <= 0 and options.get("d", 1.0) >= 1, "optim_args",
+         "adafactor takes beta2_decay <= 0 and d >= 1 (torch.optim.Adafactor's rules)")
+    need(not (args.optim == "adafactor" and args.ddp_zero_stage == 2), "optim", "adafactor needs whole tensors "
+         "(row and column statistics), but ddp_zero_stage=2 gives each rank flat slices; use ddp_zero_stage 0 or 1")
+    if not args.torch_compile:
+        return
+    from torch._dynamo import list_backends  # only when compiling: it takes seconds to import
+
+    need(args.torch_compile_backend in list_backends(exclude_tags=()), "torch_compile_backend",
+         f"must be one of torch.compile's backends ({', '.join(list_backends())}, or a debug one such as eager "
+         "or aot_eager)")
+    if args.torch_compile_mode is not None:
+        from torch._inductor import list_mode_options
+
+        modes = list(list_mode_options())
+        need(args.torch_compile_mode in modes, "torch_compile_mode", f"must be one of {', '.join(modes)}, or unset")
+        need(args.torch_compile_backend == "inductor", "torch_compile_mode", "is inductor's; with "
+             f"torch_compile_backend={args.torch_compile_backend!r} leave it unset")
+
+
+__all__ = ["ArgumentError", "OPTIMIZERS", "OPTIM_ARGS", "parse_optim_args", "validate"]

@@ -1,11 +1,18 @@
 """How the Trainer readies a model for data-parallel training, one function per way, applied in order under an
-`if` (torchtitan's parallelize.py reads the same way): gradient checkpointing, the device, then our DDP.
+`if` (torchtitan's parallelize.py reads the same way): gradient checkpointing, the device, our DDP, compile.
 
     model, wrapped = prepare_model(model, args, world)   # wrapped: what forward/backward run on
+    ddp = ddp_of(wrapped)                                # the DDP wrapper, compiled or not (None: a world of one)
+
+`model` is always the plain module, never a compiled one: saving, checkpoints and evaluation use it, so their
+state_dict keys never carry torch.compile's `_orig_mod.` prefix, whatever the caller passed in.
 """
 
 from __future__ import annotations
 
+import sys
+
+import torch
 from torch import nn
 
 from .args import ArgumentError, TrainingArguments
@@ -30,13 +37,38 @@ def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> Dist
                                    **zero_ddp_kwargs(args.ddp_zero_stage))
 
 
+def apply_compile(wrapped: nn.Module, args: TrainingArguments) -> nn.Module:
+    """torch.compile(DDP(model)), as torch users write it: while the wrapper's forward runs, Dynamo's DDPOptimizer
+    splits the compiled graph at the wrapper's bucket boundaries (ddpkit's DDP tells Dynamo its buckets, see
+    ddp.py), so each bucket's all-reduce starts while the compiled backward of the layers before it still runs."""
+    return torch.compile(wrapped, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's wrapper (OptimizedModule keeps it as _orig_mod), or the module itself."""
+    dynamo = sys.modules.get("torch._dynamo")  # not imported yet: nothing is compiled (and importing takes seconds)
+    return model._orig_mod if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule) else model
+
+
+def ddp_of(wrapped: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper that training runs, inside torch.compile's wrapper or not; None in a world of one."""
+    inner = _plain(wrapped)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
 def prepare_model(model: nn.Module, args: TrainingArguments, world: DistEnv) -> tuple[nn.Module, nn.Module]:
-    """The model on this rank's device, and the module training runs (the DDP wrapper in a world of many)."""
+    """The plain model on this rank's device, and the module training runs (the DDP wrapper in a world of many,
+    compiled under torch_compile). A model the caller compiled already trains compiled, as DDP(compile(model))."""
+    if args.torch_compile and _plain(model) is not model:
+        raise ArgumentError("torch_compile", "the model is compiled already (torch.compile); pass the plain module "
+                                             "with torch_compile, or the compiled one without it")
     if args.gradient_checkpointing:
-        apply_gradient_checkpointing(model)
+        apply_gradient_checkpointing(_plain(model))
     model = model.to(world.device)
     wrapped = apply_ddp(model, args, world) if world.world_size > 1 else model
-    return model, wrapped
+    if args.torch_compile:
+        wrapped = apply_compile(wrapped, args)
+    return _plain(model), wrapped
 
 
-__all__ = ["apply_ddp", "apply_gradient_checkpointing", "prepare_model"]
+__all__ = ["apply_compile", "apply_ddp", "apply_gradient_checkpointing", "ddp_of", "prepare_model"]

@@ -4,6 +4,7 @@ function per way, in the manner of torchtitan's parallelize functions:
     ddp_kwargs = zero_ddp_kwargs(stage)                      # what DistributedDataParallel adds for the stage
     optimizer = apply_zero(groups, stage, torch.optim.AdamW, lr=...)   # the optimizer the stage needs
     norm = clip_grad_norm(optimizer, params, max_norm)       # global norm: over the shards when sharded
+    grads = step_gradients(optimizer)                        # what this rank's step reads (fp16 unscales them)
 """
 
 from __future__ import annotations
@@ -34,3 +35,19 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
         return float(optimizer.clip_grad_norm_(max_norm))
     with_grad = [p for p in params if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(with_grad, max_norm).item() if with_grad else 0.0
+
+
+def wait_for_params(optimizer: torch.optim.Optimizer | None) -> None:
+    """Make the parameters final: stage 2 all-gathers the updated shards until the next forward, so a caller
+    reading model.parameters() after training would see the step before the last one on most elements."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.wait_for_params()
+
+
+def step_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients this rank's optimizer step reads, as views that may be changed in place: under ZeRO its
+    shard (stage 2 keeps them in the reducer's shards, not in .grad), else every parameter's .grad."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer._ensure_built()  # stage 2 partitions by the buckets at the first step: as clip_grad_norm_ does
+        return [g for unit in optimizer.units for g in unit.grads()]
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

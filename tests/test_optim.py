@@ -1,0 +1,150 @@
+"""ddpkit.optim: each `optim` choice builds torch's class with the arguments' hyper-parameters and the weight-decay
+groups, also sharded under ZeRO; sgd and adafactor on 2 ranks equal one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import Classifier, classification_data, params_of, run_world, trainer_args
+
+from ddpkit.args import TrainingArguments
+from ddpkit.optim import create_optimizer, optimizer_class
+from ddpkit.trainer import Trainer
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+
+
+def _groups(optimizer):
+    return [(sorted(id(p) for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
+
+
+CHOICES = [
+    ("adamw_torch", None, torch.optim.AdamW, dict(betas=(0.8, 0.95), eps=1e-6, fused=None)),
+    ("adamw_torch_fused", None, torch.optim.AdamW, dict(betas=(0.8, 0.95), eps=1e-6, fused=True)),
+    ("sgd", None, torch.optim.SGD, dict(momentum=0, nesterov=False)),
+    ("sgd", "momentum=0.9,nesterov=true", torch.optim.SGD, dict(momentum=0.9, nesterov=True, dampening=0)),
+    ("adafactor", None, torch.optim.Adafactor, dict(beta2_decay=-0.8, d=1.0)),
+    ("adafactor", "beta2_decay=-0.5, d=2", torch.optim.Adafactor, dict(beta2_decay=-0.5, d=2.0)),
+]
+
+
+@pytest.mark.parametrize("optim,extra,cls,expected", CHOICES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CHOICES)])
+def test_each_choice_builds_its_class_with_the_arguments(optim, extra, cls, expected, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), optim=optim, optim_args=extra, learning_rate=0.03,
+                             weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    model = Net()
+    optimizer = create_optimizer(model, args)
+    assert type(optimizer) is cls
+    assert optimizer_class(args)[0] is cls
+    # Weight decay on the matrices only: biases and norm weights (fewer than 2 dimensions) get none.
+    matrices = [model.linear.weight]
+    vectors = [model.linear.bias, model.norm.weight, model.norm.bias]
+    assert _groups(optimizer) == [(sorted(map(id, matrices)), 0.1), (sorted(map(id, vectors)), 0.0)]
+    for group in optimizer.param_groups:
+        assert group["lr"] == 0.03
+        for key, value in expected.items():
+            assert group[key] == value, (optim, key)
+    loss = model.norm(model.linear(torch.randn(5, 4))).square().sum()
+    loss.backward()
+    before = model.linear.weight.detach().clone()
+    optimizer.step()  # the fused kernel runs on this CPU (torch 2.13 has it there)
+    assert not torch.equal(before, model.linear.weight)
+
+
+def shard_world(world, out):
+    """Under ZeRO stage 1 every choice is sharded; adafactor (shape-aware) gets whole parameters."""
+    found = {}
+    for optim in ("adamw_torch_fused", "sgd", "adafactor"):
+        torch.manual_seed(0)
+        model = Net()
+        args = TrainingArguments(output_dir=out, optim=optim, ddp_zero_stage=1, weight_decay=0.1)
+        optimizer = create_optimizer(model, args, world.world_size)
+        local = [p for g in optimizer.optim.param_groups for p in g["params"]]
+        found[optim] = (type(optimizer).__name__, type(optimizer.optim).__name__,
+                        [g["weight_decay"] for g in optimizer.param_groups],
+                        [tuple(p.shape) for p in local], optimizer.whole)
+    return found
+
+
+def test_under_zero_each_choice_is_sharded_and_adafactor_gets_whole_parameters(tmp_path):
+    a, b = run_world(shard_world, 2, args=(str(tmp_path),), deadline_s=60)
+    for optim, cls in (("adamw_torch_fused", "AdamW"), ("sgd", "SGD"), ("adafactor", "Adafactor")):
+        for rank in (a, b):
+            assert rank[optim][:3] == ("ZeroRedundancyOptimizer", cls, [0.1, 0.0]), optim
+    # adafactor: each rank's local optimizer holds whole parameters (shapes kept), together all four once.
+    assert a["adafactor"][4] and sorted(a["adafactor"][3] + b["adafactor"][3]) == [(3,), (3,), (3,), (3, 4)]
+    # elementwise ones: flat slices, each group halved to the element: 12 -> 6 + 6 (decayed), 9 -> 5 + 4.
+    assert not a["sgd"][4] and all(len(shape) == 1 for shape in a["sgd"][3] + b["sgd"][3])
+    assert [sum(np.prod(s) for s in rank["sgd"][3]) for rank in (a, b)] == [6 + 5, 6 + 4]
+
+
+# Stage 2 also checks that train() returns with the last step's all-gathers finished (model.parameters() final).
+RUNS = (("sgd", "momentum=0.9", 0), ("adafactor", None, 0), ("adafactor", None, 1),
+        ("adamw_torch_fused", None, 2))
+
+
+def optim_world(world, out, batch):
+    """Each run on this world; a 2-rank world is compared with a 1-rank one on twice the batch."""
+    results = {}
+    for optim, extra, stage in RUNS:
+        torch.manual_seed(0)
+        model = Classifier().double()
+        model.net[2].p = 0.0  # dropout masks would differ between 1 and 2 processes
+        args = trainer_args(f"{out}/{optim}-{stage}", per_device_train_batch_size=batch, max_steps=4, max_grad_norm=0.5,
+                     optim=optim, optim_args=extra, ddp_zero_stage=stage, weight_decay=0.01)
+        trainer = Trainer(model, args, classification_data(30))
+        trainer.train()
+        inner = getattr(trainer.optimizer, "optim", trainer.optimizer)
+        results[(optim, stage)] = (params_of(model), [e["loss"] for e in trainer.state.log_history if "loss" in e],
+                                   type(inner).__name__)
+    return results
+
+
+def test_two_ranks_equal_one_process_for_sgd_adafactor_and_fused_adamw(tmp_path):
+    two = run_world(optim_world, 2, args=(str(tmp_path / "two"), 3), deadline_s=150)
+    (one,) = run_world(optim_world, 1, args=(str(tmp_path / "one"), 6), deadline_s=150)
+    for optim, _, stage in RUNS:
+        (p0, losses, cls), (p1, _, _) = two[0][(optim, stage)], two[1][(optim, stage)]
+        truth, truth_losses, truth_cls = one[(optim, stage)]  # one process: stage ignored, the plain optimizer
+        assert cls == truth_cls and len(losses) == 4
+        for x, y, t in zip(p0, p1, truth):
+            np.testing.assert_array_equal(x, y, err_msg=f"{optim} stage {stage}: replicas diverged")
+            # float64: the two sums of the ranks' shares differ from one sum in their last bits only.
+            np.testing.assert_allclose(x, t, rtol=1e-9, atol=1e-10, err_msg=f"{optim} stage {stage}")
+        assert losses == pytest.approx(truth_losses, rel=1e-10, abs=1e-12)
+    # The runs differ from each other: the optimizer choice reached the step.
+    assert not np.allclose(one[("sgd", 0)][0][0], one[("adafactor", 0)][0][0])
+    assert not np.allclose(one[("adafactor", 0)][0][0], one[("adamw_torch_fused", 2)][0][0])
+
+
+def _resumable(out, optim, extra, stage, resume=None):
+    torch.manual_seed(0)
+    model = Classifier().double()  # dropout on: the restored RNG gives the same masks
+    args = trainer_args(out, per_device_train_batch_size=3, max_steps=6, optim=optim, optim_args=extra,
+                 ddp_zero_stage=stage, save_strategy="steps", save_steps=3, weight_decay=0.01)
+    Trainer(model, args, classification_data(30)).train(resume_from_checkpoint=resume)
+    return params_of(model)
+
+
+def resume_world(world, out):
+    found = {}
+    for optim, extra, stage in (("adafactor", None, 1), ("sgd", "momentum=0.9", 2)):
+        full = _resumable(f"{out}/{optim}", optim, extra, stage)
+        again = _resumable(f"{out}/{optim}-again", optim, extra, stage, resume=f"{out}/{optim}/checkpoint-3")
+        found[optim] = (full, again)
+    return found
+
+
+def test_a_run_resumed_with_sgd_or_adafactor_under_zero_is_the_uninterrupted_one_bitwise(tmp_path):
+    for rank in run_world(resume_world, 2, args=(str(tmp_path),), deadline_s=120):
+        for optim, (full, again) in rank.items():
+            for x, y in zip(full, again):
+                np.testing.assert_array_equal(x, y, err_msg=optim)  # momentum and row/column statistics restored

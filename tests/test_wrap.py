@@ -1,0 +1,110 @@
+"""ddpkit.wrap: what the Trainer trains (the DDP wrapper, compiled under torch_compile) and what it saves (the plain
+module, never torch.compile's `_orig_mod.` names). torch.compile is slow on 2 cores: one spawned world checks all
+of the compiled Trainer at once, with aot_eager (Dynamo and AOT autograd, no code generation) and one short
+inductor run."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import Classifier, classification_data, params_of, run_world, trainer_args
+
+from ddpkit.args import ArgumentError
+from ddpkit.ddp import DistributedDataParallel
+from ddpkit.env import single_process_env
+from ddpkit.step import accumulate
+from ddpkit.window import Window
+from ddpkit.wrap import ddp_of, prepare_model
+
+# float64. Observed here: aot_eager bitwise (it runs eager's operations), inductor's parameters within 1.1e-16 and
+# its losses bitwise (its fused kernels may sum in another order).
+TOL = {"aot_eager": 1e-12, "aot_eager zero 2": 1e-12, "inductor": 1e-10}
+
+
+def test_in_a_world_of_one_the_compiled_module_trains_and_the_plain_one_is_kept(tmp_path):
+    world = single_process_env()
+    model = Classifier()
+    model.net[2].p = 0.0  # no dropout: the two ways must see the same network
+    plain, wrapped = prepare_model(model, trainer_args(tmp_path, torch_compile=True, torch_compile_backend="eager"), world)
+    assert plain is model and wrapped is not model and wrapped._orig_mod is model
+    assert ddp_of(wrapped) is None and ddp_of(model) is None
+    # Accumulation on the compiled module of a world of one: no no_sync to ask for, the gradients of both add up.
+    x = torch.randn(4, 6)
+    share = accumulate(wrapped, Window([x[:2], x[2:]], 4.0, 4, 2), None,
+                       lambda m, batch, weight: m(batch)["logits"].sum().backward() or torch.zeros(()), world.device)
+    compiled_grad = model.net[0].weight.grad.clone()
+    model.zero_grad()
+    model(x)["logits"].sum().backward()
+    torch.testing.assert_close(compiled_grad, model.net[0].weight.grad)
+    assert share.item() == 0.0
+    # A model the caller compiled: trained compiled, saved and evaluated plain; compiling it twice is refused.
+    compiled = torch.compile(Classifier(), backend="eager")
+    plain, wrapped = prepare_model(compiled, trainer_args(tmp_path), world)
+    assert plain is compiled._orig_mod and wrapped is compiled
+    assert not any(name.startswith("_orig_mod") for name in plain.state_dict())
+    with pytest.raises(ArgumentError, match="torch_compile: the model is compiled already"):
+        prepare_model(compiled, trainer_args(tmp_path, torch_compile=True), world)
+
+
+def _train(out, **kw):
+    from ddpkit.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = Classifier().double()
+    model.net[2].p = 0.0  # compiled and eager dropout need not draw the same masks
+    # 24 samples, 2 ranks x batch 3 x accumulation 2 (the first micro-batch under no_sync, which reaches the
+    # wrapper inside the compiled module): every batch is full, so Dynamo compiles one shape.
+    args = trainer_args(out, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4,
+                 save_strategy="steps", save_steps=4, ddp_replica_check_steps=2, **kw)
+    trainer = Trainer(model, args, classification_data(24), eval_dataset=classification_data(6, seed=1))
+    trainer.train()
+    trainer.save_model()
+    ddp = ddp_of(trainer.model_wrapped)
+    return {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e], "params": params_of(model),
+            "eval": trainer.evaluate()["eval_loss"], "plain": trainer.model is model,
+            "ddp": isinstance(ddp, DistributedDataParallel), "compiled": trainer.model_wrapped is not ddp,
+            "saved": {k: v.numpy() for k, v in load_file(f"{out}/model.safetensors").items()},
+            "checkpoint": sorted(load_file(f"{out}/checkpoint-4/model.safetensors"))}
+
+
+def compile_world(world, out):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    runs = {"eager": _train(f"{out}/eager")}
+    runs["aot_eager"] = _train(f"{out}/aot_eager", torch_compile=True, torch_compile_backend="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    # ZeRO stage 2 compiled: its forward first waits for the last step's parameter all-gathers.
+    runs["aot_eager zero 2"] = _train(f"{out}/zero2", torch_compile=True, torch_compile_backend="aot_eager",
+                                      ddp_zero_stage=2)
+    runs["inductor"] = _train(f"{out}/inductor", torch_compile=True)
+    return runs, graphs, os.path.isdir(os.path.join(out, "eager"))
+
+
+def test_a_compiled_trainer_on_two_ranks_matches_the_eager_one_and_saves_plain_weights(tmp_path):
+    a, b = run_world(compile_world, 2, args=(str(tmp_path),), deadline_s=420)
+    (runs, graphs, _), (runs_b, _, _) = a, b
+    eager = runs["eager"]
+    assert graphs > 0  # Dynamo did compile (this model fits one bucket: one graph)
+    names = sorted(k for k, _ in Classifier().named_parameters())
+    for backend, tol in TOL.items():
+        run = runs[backend]
+        assert run["plain"] and run["ddp"] and run["compiled"], backend
+        np.testing.assert_allclose(run["losses"], eager["losses"], rtol=tol, atol=0, err_msg=backend)
+        assert len(run["losses"]) == 4
+        for x, y, t in zip(run["params"], runs_b[backend]["params"], eager["params"]):
+            np.testing.assert_array_equal(x, y, err_msg=f"{backend}: replicas diverged")
+            np.testing.assert_allclose(x, t, rtol=tol, atol=tol, err_msg=backend)
+        assert run["eval"] == pytest.approx(eager["eval"], rel=tol)
+        # The saved weights are the plain model's names and load into a plain model, strictly.
+        assert sorted(run["saved"]) == names and run["checkpoint"] == names
+        fresh = Classifier().double()
+        fresh.load_state_dict({k: torch.from_numpy(v) for k, v in run["saved"].items()}, strict=True)
+        for x, t in zip(params_of(fresh), run["params"]):
+            np.testing.assert_array_equal(x, t)
+    assert not eager["compiled"]
