@@ -77,6 +77,8 @@ def _micro(name, step, micro, world_size):
 
 def _ddp_step(name, model, opt, step, rank, world_size):
     opt.zero_grad()
+    shards = getattr(model, "_grad_shards", None)
+    before = _live_storages() if shards is not None else None
     for micro in range(MICRO):
         x, y = _micro(name, step, micro, world_size)[rank]
         # Mean over micro-batches: the accumulated sum divided by their number.
@@ -85,20 +87,31 @@ def _ddp_step(name, model, opt, step, rank, world_size):
                 (_loss(name, model, x, y, rank, step) / MICRO).backward()
         else:
             (_loss(name, model, x, y, rank, step) / MICRO).backward()
-    held = _grad_bytes(model)
+    held = None
+    if shards is not None:
+        # What the wrapper says it holds (bucket storage + shards + .grad), and what gc finds: every tensor
+        # storage alive now that was not before this step's forward, less the batch's.
+        new = {key: n for key, n in _live_storages().items() if key not in before}
+        for tensor in (x, y):
+            new.pop((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()), None)
+        held = (shards.held_bytes(), sum(new.values()))
     opt.step()
     if hasattr(opt, "wait_for_params"):
         opt.wait_for_params()  # stage 2 leaves the gathers in flight until the next forward
     return held
 
 
-def _grad_bytes(model):
-    """Bytes of gradient this rank holds after backward: .grad tensors, and stage 2's shards."""
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    shards = getattr(model, "_grad_shards", None)
-    if shards is not None:
-        grads += sum(g.numel() * g.element_size() for g in shards.grads.values())
-    return grads
+def _live_storages():
+    """(data pointer, bytes) of the storage of every live tensor the garbage collector can see."""
+    import gc
+
+    gc.collect()  # cyclic garbage not yet collected is not held
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            out[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return out
 
 
 def _truth_step(name, model, opt, step, world_size):
@@ -147,6 +160,10 @@ def stage1_against_truth(world, opt_name, names, bucket_view):
         result["zero2"]["buckets"] = len(reducer.buckets) if reducer is not None else 0
         result["param_bytes"] = sum(p.numel() * p.element_size() for p in runs["plain"][0].parameters()
                                     if p.grad is not None)
+        result["bucket_bytes"] = max((b.layout.padded_numel * b.layout.dtype.itemsize for b in reducer.buckets),
+                                     default=0) if reducer is not None else 0
+        result["num_params"] = len(list(runs["plain"][0].parameters()))
+        result["all_param_bytes"] = sum(p.numel() * p.element_size() for p in runs["plain"][0].parameters())
         out[name] = result
     return out
 
@@ -207,20 +224,25 @@ def test_stage1_matches_plain_optimizer_and_truth(world_size, opt_name):
         stage1 = [r[name]["zero"]["state"] for r in results]
         assert all(s["roundtrip"] for s in stage1), f"{name}: load_state_dict(plain) != the trained shards"
         _assert_balanced(name, stage1, world_size)
-        _assert_gradients_sharded(name, [r[name]["zero2"] for r in results], results[0][name]["param_bytes"],
-                                  world_size)
+        _assert_gradients_sharded(name, [r[name]["zero2"] for r in results], results[0][name], world_size)
 
 
-def _assert_gradients_sharded(name, per_rank, total, world_size):
-    """Stage 2: after backward a rank holds total / N bytes of gradient, give or take the padding of each
-    bucket's last shards (under N elements per bucket); stage 1 (DDP) holds them all."""
-    if world_size == 1 or name == "branchy":  # branchy: the never-used head has no gradient anywhere
+def _assert_gradients_sharded(name, per_rank, result, world_size):
+    """Stage 2: after backward a rank holds total / N bytes of gradient storage (bucket storage, shards and
+    .grad together), give or take one bucket (here: the padding of each bucket's last shards, under N elements
+    per bucket, since every bucket's storage is released once its shard is taken); and the garbage collector
+    finds no more new tensor storage than that, give or take the usage counts (4 bytes per parameter)."""
+    if world_size == 1:  # a world of one has no reducer and keeps .grad as it is
         return
+    # Every parameter has its slice in the shards, used or not (branchy's never-used head: zeros).
+    total = result["all_param_bytes"]
     slack = per_rank[0]["buckets"] * world_size * 8
+    assert slack < result["bucket_bytes"], "the slack must be under one bucket"
     for rank, got in enumerate(per_rank):
-        for held in got["held"]:
-            assert abs(held - total / world_size) <= slack, \
-                f"{name} rank {rank}: {held} bytes of gradient after backward, total / N = {total / world_size:.0f}"
+        for step, (held, found) in enumerate(got["held"]):
+            what = f"{name} rank {rank} step {step}: {held} bytes of gradient after backward"
+            assert abs(found - held) <= 4 * result["num_params"], f"{what}, but gc finds {found} new bytes"
+            assert abs(held - total / world_size) <= slack, f"{what}, total / N = {total / world_size:.0f}"
 
 
 def _assert_balanced(name, states, world_size):

@@ -66,12 +66,18 @@ class GradShards:
             self.grads[index].add_(shard)
             self.used[index] = [a or b for a, b in zip(self.used[index], used)]
         else:
-            # A copy: on gloo the shard is a view of the bucket's storage, which the next backward refills.
-            self.grads[index] = shard.clone()
+            self.grads[index] = shard  # the reduction's own tensor (the bucket's storage is released)
             self.used[index] = used
         for position, param in enumerate(bucket.params):
             if used[position]:
                 param.grad = None  # this rank's local sum is in the reduced shard now
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: the buckets' flat storage (while made), the shards
+        (in flight and accumulated) and the parameters' .grad, each storage counted once."""
+        tensors = [b.storage for b in self.buckets.values() if b.allocated] + self.reduction.held()
+        tensors += list(self.grads.values()) + [p.grad for p in self.params if p.grad is not None]
+        return storage_bytes(tensors)
 
     def zero_grad(self) -> None:
         self.grads.clear()
@@ -106,3 +112,12 @@ def unit_plan(layout: Any) -> UnitPlan:
     segments = tuple(tuple(Piece(position[s.param], s.start, s.stop, s.shard_offset)
                            for s in layout.shard_pieces(rank)) for rank in range(layout.shards))
     return UnitPlan(tuple(layout.numels), segments, layout.shard_numel, whole=False)
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once, whole)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
