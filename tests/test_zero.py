@@ -134,6 +134,10 @@ def _truth_step(name, model, opt, step, world_size):
 
 def stage1_against_truth(world, opt_name, names, bucket_view):
     import ddpkit
+    import ddpkit.zero_partition
+
+    if not bucket_view:  # 1 and 3 ranks: stage 1 in units of a parameter or two, each stepped and gathered alone
+        ddpkit.zero_partition.CHUNK_BYTES = 256
 
     cls, kwargs = OPTIMIZERS[opt_name]
     out = {}
@@ -252,6 +256,15 @@ def _assert_gradients_sharded(name, per_rank, result, world_size):
             what = f"{name} rank {rank} step {step}: {held} bytes of gradient after backward"
             assert abs(found - held) <= 4 * result["num_params"], f"{what}, but gc finds {found} new bytes"
             assert abs(held - total / world_size) <= slack, f"{what}, total / N = {total / world_size:.0f}"
+
+
+def test_chunk_positions():
+    from ddpkit.zero_partition import chunk_positions
+
+    params = [torch.zeros(n) for n in (10, 1, 30, 2, 2, 100)]  # 4 bytes each element
+    assert chunk_positions(params, [0, 1, 2, 3, 4, 5], 40) == [[0], [1, 2], [3, 4, 5]]
+    assert chunk_positions(params, [5, 1, 3], 1000) == [[5, 1, 3]]
+    assert chunk_positions(params, [], 40) == []
 
 
 def _assert_balanced(name, states, world_size):
