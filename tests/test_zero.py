@@ -407,6 +407,7 @@ def stage2_surface(world):
         if stage:
             waits = _waits_in_forward(model, x)
         model.check_replicas()
+    twice = _two_synced_backwards(world)
     torch.manual_seed(0)
     lonely = ddpkit.DistributedDataParallel(models.make("mlp"), zero_stage=2)
     x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
@@ -418,11 +419,36 @@ def stage2_surface(world):
         ddpkit.DistributedDataParallel(models.make("mlp"), zero_stage=1)
     with pytest.raises(ValueError, match="whole tensors"):
         ddpkit.ZeroRedundancyOptimizer(lonely.parameters(), torch.optim.Adafactor)
-    return losses, norms, waits
+    return losses, norms, waits, twice
+
+
+def _two_synced_backwards(world):
+    """Two synchronised backward passes per step (no no_sync): stage 2 sums the two averaged shards, as DDP sums
+    into .grad; SGD steps from one and the other, the largest difference of the parameters afterwards."""
+    import ddpkit
+
+    runs = []
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001, zero_stage=stage)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = _micro("mlp", step, micro, world.world_size)[world.rank]
+                _loss("mlp", model, x, y, world.rank, step).backward()
+            opt.step()
+        if stage:
+            opt.wait_for_params()  # read outside a forward: the last gathers must be waited for by hand
+        runs.append(list(model.module.parameters()))
+    return max((a - b).abs().max().item() for a, b in zip(*runs))
 
 
 def test_stage2_forward_waits_reentrant_and_refusals():
-    for rank, (losses, norms, (waits, first)) in enumerate(run_world(stage2_surface, 2, deadline_s=180)):
+    for rank, (losses, norms, (waits, first), twice) in enumerate(run_world(stage2_surface, 2, deadline_s=180)):
+        # DDP adds the second average into .grad, stage 2 into the shard: the same sum, rounded otherwise.
+        assert twice <= TOL, f"two synchronised backwards per step: {twice} from DDP"
         # The forward waits for the first layer's bucket first, while the others are still in flight, and
         # every wait happens inside it (the read of the head's weight by hand waited too: see the losses).
         assert waits and waits[0][0] == first and waits[0][2] > 1, waits
