@@ -163,6 +163,11 @@ def reductions(world):
     ref = _Gated()
     copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_gloo", "rs_native")}
     seen: dict[str, list] = {"rs_gloo": [], "rs_native": []}
+    kept: dict[str, dict] = {"rs_gloo": {}, "rs_native": {}}  # the latest shard of each bucket, as handed over
+
+    def on_shard(key, bucket, shard, used):
+        seen[key].append((bucket.index, used))
+        kept[key][bucket.index] = shard
 
     def reducer(key, **kwargs):
         named = list(copies[key].named_parameters())
@@ -170,8 +175,8 @@ def reductions(world):
 
     reducers = {"allreduce": reducer("allreduce"), "sum": reducer("sum", divisor=1.0)}
     for key, native in (("rs_gloo", False), ("rs_native", True)):
-        on_shard = functools.partial(lambda k, bucket, shard, used: seen[k].append((bucket.index, used)), key)
-        reducers[key] = reducer(key, reduction=ReduceScatter(comm, on_shard=on_shard, native=native))
+        reducers[key] = reducer(key, reduction=ReduceScatter(comm, on_shard=functools.partial(on_shard, key),
+                                                             native=native))
     out = {"errors": []}
     for step in range(3):
         x = torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(step))
@@ -190,8 +195,11 @@ def reductions(world):
         averaged = {i: p.grad for i, p in enumerate(copies["allreduce"].parameters())}
         for key in ("rs_gloo", "rs_native"):
             red = reducers[key]
+            # The shard is all a reduce-scatter keeps: each bucket's storage is released after backward.
+            out["errors"].append((f"{key} storage released", not any(b.allocated for b in red.buckets)))
+            out["errors"].append((f"{key} holds no output", not red.reduction.held()))
             for bucket, layout in zip(red.buckets, red.layouts()):
-                shard = red.reduction.shard(bucket.index)
+                shard = kept[key][bucket.index]
                 assert shard.numel() == layout.shard_numel
                 covered = 0
                 for piece in layout.shard_pieces(r):
@@ -215,6 +223,7 @@ def reductions(world):
             model(x).pow(2).sum().backward(create_graph=create_graph)
     out["errors"].append(("create_graph", all(torch.equal(p.grad, q.grad.detach())
                                               for p, q in zip(big.parameters(), twin.parameters()))))
+    out["errors"].append(("all-reduce keeps its storage", all(b.allocated for b in reducers["allreduce"].buckets)))
     out["storage"] = [(b.storage.numel(), b.layout.numel) for b in reducers["allreduce"].buckets]
     out["seen"] = seen
     out["rank"] = r

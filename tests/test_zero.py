@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 
 import pytest
 import torch
@@ -77,6 +78,8 @@ def _micro(name, step, micro, world_size):
 
 def _ddp_step(name, model, opt, step, rank, world_size):
     opt.zero_grad()
+    shards = getattr(model, "_grad_shards", None)
+    before = _live_storages() if shards is not None else None
     for micro in range(MICRO):
         x, y = _micro(name, step, micro, world_size)[rank]
         # Mean over micro-batches: the accumulated sum divided by their number.
@@ -85,20 +88,39 @@ def _ddp_step(name, model, opt, step, rank, world_size):
                 (_loss(name, model, x, y, rank, step) / MICRO).backward()
         else:
             (_loss(name, model, x, y, rank, step) / MICRO).backward()
-    held = _grad_bytes(model)
+    held = None
+    if shards is not None:
+        # What the wrapper says it holds (bucket storage + shards + .grad), and what gc finds: every tensor
+        # storage alive now that was not before this step's forward, less the batch's. gloo's worker thread may
+        # hold the last bucket's storage for a moment after its wait returned (torch keeps the Python tensor
+        # alive while C++ refers to it): counted again until it settles, for at most a second.
+        mine = shards.held_bytes()
+        usage = 4 * len(list(model.parameters()))  # the usage counts, an int32 per parameter
+        for _ in range(100):
+            new = {key: n for key, n in _live_storages().items() if key not in before}
+            for tensor in (x, y):
+                new.pop((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()), None)
+            if abs(sum(new.values()) - mine) <= usage:
+                break
+            time.sleep(0.01)
+        held = (mine, sum(new.values()))
     opt.step()
     if hasattr(opt, "wait_for_params"):
         opt.wait_for_params()  # stage 2 leaves the gathers in flight until the next forward
     return held
 
 
-def _grad_bytes(model):
-    """Bytes of gradient this rank holds after backward: .grad tensors, and stage 2's shards."""
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    shards = getattr(model, "_grad_shards", None)
-    if shards is not None:
-        grads += sum(g.numel() * g.element_size() for g in shards.grads.values())
-    return grads
+def _live_storages():
+    """(data pointer, bytes) of the storage of every live tensor the garbage collector can see."""
+    import gc
+
+    gc.collect()  # cyclic garbage not yet collected is not held
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            out[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return out
 
 
 def _truth_step(name, model, opt, step, world_size):
@@ -112,6 +134,10 @@ def _truth_step(name, model, opt, step, world_size):
 
 def stage1_against_truth(world, opt_name, names, bucket_view):
     import ddpkit
+    import ddpkit.zero_partition
+
+    if not bucket_view:  # 1 and 3 ranks: stage 1 in units of a parameter or two, each stepped and gathered alone
+        ddpkit.zero_partition.CHUNK_BYTES = 256
 
     cls, kwargs = OPTIMIZERS[opt_name]
     out = {}
@@ -147,6 +173,10 @@ def stage1_against_truth(world, opt_name, names, bucket_view):
         result["zero2"]["buckets"] = len(reducer.buckets) if reducer is not None else 0
         result["param_bytes"] = sum(p.numel() * p.element_size() for p in runs["plain"][0].parameters()
                                     if p.grad is not None)
+        result["bucket_bytes"] = max((b.layout.padded_numel * b.layout.dtype.itemsize for b in reducer.buckets),
+                                     default=0) if reducer is not None else 0
+        result["num_params"] = len(list(runs["plain"][0].parameters()))
+        result["all_param_bytes"] = sum(p.numel() * p.element_size() for p in runs["plain"][0].parameters())
         out[name] = result
     return out
 
@@ -207,20 +237,34 @@ def test_stage1_matches_plain_optimizer_and_truth(world_size, opt_name):
         stage1 = [r[name]["zero"]["state"] for r in results]
         assert all(s["roundtrip"] for s in stage1), f"{name}: load_state_dict(plain) != the trained shards"
         _assert_balanced(name, stage1, world_size)
-        _assert_gradients_sharded(name, [r[name]["zero2"] for r in results], results[0][name]["param_bytes"],
-                                  world_size)
+        _assert_gradients_sharded(name, [r[name]["zero2"] for r in results], results[0][name], world_size)
 
 
-def _assert_gradients_sharded(name, per_rank, total, world_size):
-    """Stage 2: after backward a rank holds total / N bytes of gradient, give or take the padding of each
-    bucket's last shards (under N elements per bucket); stage 1 (DDP) holds them all."""
-    if world_size == 1 or name == "branchy":  # branchy: the never-used head has no gradient anywhere
+def _assert_gradients_sharded(name, per_rank, result, world_size):
+    """Stage 2: after backward a rank holds total / N bytes of gradient storage (bucket storage, shards and
+    .grad together), give or take one bucket (here: the padding of each bucket's last shards, under N elements
+    per bucket, since every bucket's storage is released once its shard is taken); and the garbage collector
+    finds no more new tensor storage than that, give or take the usage counts (4 bytes per parameter)."""
+    if world_size == 1:  # a world of one has no reducer and keeps .grad as it is
         return
+    # Every parameter has its slice in the shards, used or not (branchy's never-used head: zeros).
+    total = result["all_param_bytes"]
     slack = per_rank[0]["buckets"] * world_size * 8
+    assert slack < result["bucket_bytes"], "the slack must be under one bucket"
     for rank, got in enumerate(per_rank):
-        for held in got["held"]:
-            assert abs(held - total / world_size) <= slack, \
-                f"{name} rank {rank}: {held} bytes of gradient after backward, total / N = {total / world_size:.0f}"
+        for step, (held, found) in enumerate(got["held"]):
+            what = f"{name} rank {rank} step {step}: {held} bytes of gradient after backward"
+            assert abs(found - held) <= 4 * result["num_params"], f"{what}, but gc finds {found} new bytes"
+            assert abs(held - total / world_size) <= slack, f"{what}, total / N = {total / world_size:.0f}"
+
+
+def test_chunk_positions():
+    from ddpkit.zero_partition import chunk_positions
+
+    params = [torch.zeros(n) for n in (10, 1, 30, 2, 2, 100)]  # 4 bytes each element
+    assert chunk_positions(params, [0, 1, 2, 3, 4, 5], 40) == [[0], [1, 2], [3, 4, 5]]
+    assert chunk_positions(params, [5, 1, 3], 1000) == [[5, 1, 3]]
+    assert chunk_positions(params, [], 40) == []
 
 
 def _assert_balanced(name, states, world_size):
@@ -303,7 +347,8 @@ def test_surface_torch_ddp_adafactor_clip(world_size):
 
 
 class Reentrant(nn.Module):
-    """A layer run twice, inside a reentrant activation checkpoint: its gradient arrives in several parts."""
+    """A layer run twice inside a reentrant activation checkpoint (its gradient arrives in several parts), and
+    the head's weight read by hand before the head runs (its bucket, the first ready, is gathered last)."""
 
     def __init__(self):
         super().__init__()
@@ -315,7 +360,26 @@ class Reentrant(nn.Module):
         h = torch.tanh(self.inp(x))
         h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.twice(torch.tanh(self.twice(t)))), h,
                                               use_reentrant=True)
+        h = h + 0.1 * torch.nn.functional.linear(torch.nn.functional.linear(h, self.head.weight), self.head.weight.t())
         return self.head(h)
+
+
+def _waits_in_forward(model, x):
+    """Which buckets the forward waited for, in order, and how many gathers were still in flight at each."""
+    shards = model._grad_shards
+    seen, wait = [], shards.wait
+
+    def spy(index):
+        if index in shards.gathers:
+            seen.append((index, shards._reading, len(shards.gathers)))
+        wait(index)
+
+    shards.wait = spy
+    try:
+        model(x)
+    finally:
+        del shards.wait
+    return seen, shards.bucket_of[id(model.module.inp.weight)]
 
 
 def stage2_surface(world):
@@ -326,7 +390,7 @@ def stage2_surface(world):
     for stage in (0, 2):
         torch.manual_seed(0)
         module = Reentrant()
-        model = ddpkit.DistributedDataParallel(module, bucket_cap_mb=0.0005, zero_stage=stage)
+        model = ddpkit.DistributedDataParallel(module, bucket_cap_mb=0.0001, zero_stage=stage)  # the head alone
         opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2) if stage else \
             torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[stage], norms[stage] = [], []
@@ -340,7 +404,10 @@ def stage2_surface(world):
                                                                         model.parameters())
             norms[stage].append(float(clip(0.05)))
             opt.step()
+        if stage:
+            waits = _waits_in_forward(model, x)
         model.check_replicas()
+    twice = _two_synced_backwards(world)
     torch.manual_seed(0)
     lonely = ddpkit.DistributedDataParallel(models.make("mlp"), zero_stage=2)
     x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
@@ -352,11 +419,40 @@ def stage2_surface(world):
         ddpkit.DistributedDataParallel(models.make("mlp"), zero_stage=1)
     with pytest.raises(ValueError, match="whole tensors"):
         ddpkit.ZeroRedundancyOptimizer(lonely.parameters(), torch.optim.Adafactor)
-    return losses, norms
+    return losses, norms, waits, twice
+
+
+def _two_synced_backwards(world):
+    """Two synchronised backward passes per step (no no_sync): stage 2 sums the two averaged shards, as DDP sums
+    into .grad; SGD steps from one and the other, the largest difference of the parameters afterwards."""
+    import ddpkit
+
+    runs = []
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001, zero_stage=stage)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = _micro("mlp", step, micro, world.world_size)[world.rank]
+                _loss("mlp", model, x, y, world.rank, step).backward()
+            opt.step()
+        if stage:
+            opt.wait_for_params()  # read outside a forward: the last gathers must be waited for by hand
+        runs.append(list(model.module.parameters()))
+    return max((a - b).abs().max().item() for a, b in zip(*runs))
 
 
 def test_stage2_forward_waits_reentrant_and_refusals():
-    for rank, (losses, norms) in enumerate(run_world(stage2_surface, 2, deadline_s=180)):
+    for rank, (losses, norms, (waits, first), twice) in enumerate(run_world(stage2_surface, 2, deadline_s=180)):
+        # DDP adds the second average into .grad, stage 2 into the shard: the same sum, rounded otherwise.
+        assert twice <= TOL, f"two synchronised backwards per step: {twice} from DDP"
+        # The forward waits for the first layer's bucket first, while the others are still in flight, and
+        # every wait happens inside it (the read of the head's weight by hand waited too: see the losses).
+        assert waits and waits[0][0] == first and waits[0][2] > 1, waits
+        assert all(reading for _, reading, _ in waits), waits
         # Clipped steps: the norm from the shards sums its squares in another order than torch's, so the
         # runs agree to rounding, not bit for bit. A forward that did not wait for the gathers would read
         # parameters a whole step old: off by ~lr (1e-2), not 1e-6.
@@ -483,3 +579,25 @@ def join_under_stage_2(world):
 
 def test_join_is_refused_under_stage_2_until_it_is_supported():
     assert run_world(join_under_stage_2, 2) == [True, True]
+
+
+def test_bench_memory_figures_count_what_they_say():
+    """bench --zero's peak: the high-water mark of live tensor bytes allocated inside the run; its gradient
+    bytes: each storage once, however many .grad views it backs."""
+    from ddpkit.bench_zero_memory import grad_bytes, peak_bytes
+
+    mib = 1 << 20
+
+    def step(held):
+        scratch = torch.ones(2 * mib // 4)  # freed at the end of the step: counts only while it lives
+        held.append(scratch[: mib // 4].clone())
+
+    # build: 1 MiB; step 1: + 2 scratch + 1 kept (4), down to 2; step 2: + 2 + 1 = 5 MiB at the peak.
+    peak = peak_bytes(lambda: [torch.zeros(mib // 4)], step, 2)
+    assert 5 * mib <= peak <= 5 * mib + 4096, peak
+    layer = nn.Linear(4, 4)
+    flat = torch.zeros(20)
+    layer.weight.grad, layer.bias.grad = flat[:16].view(4, 4), flat[16:]
+    assert grad_bytes(layer) == 80
+    layer.bias.grad = torch.zeros(4)
+    assert grad_bytes(layer) == 96

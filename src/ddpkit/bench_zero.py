@@ -14,12 +14,16 @@ order rotated each round (as `ddpkit bench` does), a barrier before every timed 
     fsdp2         torch's fully_shard(reshard_after_forward=False) + AdamW (stage 2 in FSDP2's terms)
 
 Reported: rank 0's median step time per variant, its ratio to torch's DDP (median of the per-round ratios
-[min-max]), and the optimizer-state bytes each rank holds.
+[min-max]), the same ratio of process CPU time (`cpu`: every thread of the rank, gloo's included; it leaves
+out time spent descheduled or waiting for the other rank, so it moves less on a shared machine), and per rank
+the optimizer-state bytes, the gradient bytes held after backward and the peak of live tensor bytes
+(ddpkit.bench_zero_memory says exactly what each counts).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from .bench import WORKLOADS, ratio_stats, round_order
+from .bench_zero_memory import grad_bytes, peak_bytes, state_bytes
 
 VARIANTS = ("ddpkit", "ddpkit-z1", "ddpkit-z2", "torch", "torch-zero", "fsdp2")
 LR = 1e-4
@@ -67,24 +72,15 @@ def _make(variant: str, name: str, seed: int):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state on this rank (a sharded optimizer's local state; FSDP2's local shards)."""
-    inner = getattr(optimizer, "optim", optimizer)
-    total = 0
-    for state in inner.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
-    return total
-
-
-def _step(model, optimizer, workload, batch) -> float:
-    began = time.perf_counter()
+def _step(model, optimizer, workload, batch, wait: bool = False) -> tuple[float, float]:
+    """One training step: (wall-clock seconds, process CPU seconds, every thread of this rank)."""
+    began, cpu = time.perf_counter(), time.process_time()
     optimizer.zero_grad(set_to_none=True)
     workload.loss(model, batch).backward()
     optimizer.step()
-    return time.perf_counter() - began
+    if wait and hasattr(optimizer, "wait_for_params"):
+        optimizer.wait_for_params()  # stage 2's gathers, else left in flight when the peak run ends
+    return time.perf_counter() - began, time.process_time() - cpu
 
 
 def measure(name: str, rank: int, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
@@ -98,13 +94,29 @@ def measure(name: str, rank: int, steps: int, warmup: int, repeats: int) -> dict
         for _ in range(warmup):
             _step(*runs[variant], workload, batch)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(repeats):
         for variant in round_order(r, VARIANTS):
             comm.barrier("bench round")
-            times[variant].append(statistics.median(_step(*runs[variant], workload, batch) for _ in range(steps)))
+            wall, used = zip(*(_step(*runs[variant], workload, batch) for _ in range(steps)))
+            times[variant].append(statistics.median(wall))
+            cpu[variant].append(statistics.median(used))
     memory = {v: state_bytes(runs[v][1]) for v in VARIANTS}
-    return {"times": times, "state_bytes": memory,
+    grads = {v: _grads_after_backward(*runs[v], workload, batch) for v in VARIANTS}
+    del runs
+    peaks = {v: peak_bytes(functools.partial(_make, v, name, 0),
+                           lambda run: _step(*run, workload, batch, wait=True), warmup + 1) for v in VARIANTS}
+    return {"times": times, "cpu": cpu, "state_bytes": memory, "grad_bytes": grads, "peak_bytes": peaks,
             "params": sum(p.numel() for p in WORKLOADS[name].build().parameters())}
+
+
+def _grads_after_backward(model, optimizer, workload, batch) -> int:
+    """One more step, with the gradient storage counted between its backward and its optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    workload.loss(model, batch).backward()
+    held = grad_bytes(model)
+    optimizer.step()
+    return held
 
 
 def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) -> None:
@@ -163,16 +175,19 @@ def run(models: Sequence[str], world_size: int = 2, steps: int = 3, warmup: int 
 
 
 def format_table(per_rank: list[dict[str, Any]]) -> str:
-    lines = [f"{'model':<12} {'variant':<11} {'ms':>8} {'/torch':<20} " +
-             " ".join(f"{'state r' + str(r):>10}" for r in range(len(per_rank)))]
+    ranks = range(len(per_rank))
+    lines = [f"{'model':<12} {'variant':<11} {'ms':>8} {'/torch':<20} {'cpu':>5} " +
+             " ".join(f"{kind + ' r' + str(r):>10}" for kind in ("state", "grads", "peak") for r in ranks)]
     for name, measured in per_rank[0].items():
         torch_rounds = measured["times"]["torch"]
         for variant in VARIANTS:
             rounds = measured["times"][variant]
             ratio = ratio_stats(rounds, torch_rounds)
-            memory = " ".join(f"{r[name]['state_bytes'][variant] / 2**20:>8.2f}Mi" for r in per_rank)
+            cpu = ratio_stats(measured["cpu"][variant], measured["cpu"]["torch"])["median"]
+            memory = " ".join(f"{r[name][kind + '_bytes'][variant] / 2**20:>8.2f}Mi"
+                              for kind in ("state", "grad", "peak") for r in per_rank)
             lines.append(f"{name:<12} {variant:<11} {1e3 * statistics.median(rounds):>8.2f} "
-                         f"{ratio['median']:.3f} [{ratio['min']:.2f}-{ratio['max']:.2f}]  {memory}")
+                         f"{ratio['median']:.3f} [{ratio['min']:.2f}-{ratio['max']:.2f}]  {cpu:.2f}  {memory}")
     return "\n".join(lines)
 
 

@@ -185,7 +185,13 @@ class GradBucket:
 
 
 class Bucket:
-    """One bucket's storage and the four steps of its life in a synchronised backward pass."""
+    """One bucket's storage and the four steps of its life in a synchronised backward pass.
+
+    The flat storage is made when it is first needed (the first gradient copied in) and lives until `release`:
+    DDP's reductions never release it (the parameters' .grad may be views into it, gradient_as_bucket_view),
+    a reduce-scatter releases it once this rank's shard is taken (ZeRO stage 2 keeps only the shard), and the
+    next fill makes it again.
+    """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], comm: Comm, reduction: Reduction,
                  is_last: bool, as_view: bool):
@@ -194,11 +200,51 @@ class Bucket:
         self.members = list(layout.members)
         self.params = [params[i] for i in layout.members]
         self.reduction = reduction
+        self.comm = comm
+        self.is_last = is_last
         self.as_view = as_view  # gradient_as_bucket_view: the parameters' .grad become views into the storage
-        self.storage = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
-        self.flat = self.storage[:layout.numel]  # without the shard padding, which stays zero
-        self.public = GradBucket(layout.index, self.params, self.flat, comm, is_last)
-        self.views = self.public.views
+        self._storage: torch.Tensor | None = None
+        self._public: GradBucket | None = None
+
+    # -- the storage, made on demand ----------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        layout = self.layout
+        # empty, not zeros: every fill writes each parameter's view (a copy, a division into it or zeros); only
+        # the shard padding past the gradients is never written, and it must stay zero for the reduction.
+        storage = torch.empty(layout.padded_numel, dtype=layout.dtype, device=layout.device)
+        storage[layout.numel:].zero_()
+        self._public = GradBucket(layout.index, self.params, storage[:layout.numel], self.comm, self.is_last)
+        self._storage = storage
+
+    @property
+    def storage(self) -> torch.Tensor:
+        if self._storage is None:
+            self._allocate()
+        return self._storage
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The storage without the shard padding."""
+        return self.public.buffer()
+
+    @property
+    def public(self) -> GradBucket:
+        if self._public is None:
+            self._allocate()
+        return self._public
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """Each parameter's gradient, shaped like it, in the storage."""
+        return self.public.views
+
+    @property
+    def allocated(self) -> bool:
+        return self._storage is not None
+
+    def release(self) -> None:
+        """Drop the storage (a reduction calls this once nothing of it is needed); the next fill makes it anew."""
+        self._storage = self._public = None
 
     # -- fill ----------------------------------------------------------------------------------------------------
     def fill_one(self, position: int, divisor: float) -> bool:

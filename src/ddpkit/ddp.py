@@ -195,12 +195,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             TorchDDP._active_ddp_module = previous
 
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with self._inside_ddp_forward():
+        # zero_stage=2: the parameters the last step gathered, each bucket waited for when first read.
+        reads = self._grad_shards.forward_reads() if self._grad_shards is not None else contextlib.nullcontext()
+        with self._inside_ddp_forward(), reads:
             return self.module(*inputs, **kwargs)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._grad_shards is not None:
-            self._grad_shards.wait_all()  # the parameters the last step gathered, bucket by bucket
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)

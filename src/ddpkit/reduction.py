@@ -92,15 +92,18 @@ class CommHookReduction(AllReduce):
 class ReduceScatter(Reduction):
     """Each bucket averaged into this rank's flat shard of it, and only that shard kept (ZeRO stage 2).
 
-    `shard(index)` is this rank's averaged shard of bucket `index` after a synchronised backward (the layout's
-    `shard_pieces(rank)` says which parameter slices it holds; its padding tail is zero); `on_shard(bucket,
-    shard, everywhere_used)`, if given, is called with it at the end of that backward. The parameters' .grad
-    keep this rank's local sums: the owner of the shards drops them (or not).
+    `on_shard(bucket, shard, everywhere_used)` is called at the end of each synchronised backward with this
+    rank's averaged shard of the bucket (the layout's `shard_pieces(rank)` says which parameter slices it holds;
+    its padding tail is zero): a tensor of its own, which the callee may keep. Then the bucket's storage is
+    released, so that after backward a rank holds 1/N of the gradients, not the whole buckets besides; the
+    next backward's fill makes it again. The parameters' .grad keep this rank's local sums: the owner of the
+    shards drops them (or not).
 
-    On gloo the reduce-scatter is an all-reduce of which the shard is kept: gloo has no native reduce-scatter
-    of a flat tensor and emulates it. Measured here (2 ranks, 1 thread each, loopback, 25 MiB float32, medians
-    of 8): reduce_scatter_tensor 45 ms, all_reduce 24 ms (29 ms with a copy of the shard; the shard here is a
-    view, no copy). Other backends (NCCL) reduce-scatter natively, half the bytes received.
+    On gloo the reduce-scatter is an all-reduce of which the shard is copied out: gloo has no native
+    reduce-scatter of a flat tensor and emulates it, slower than its all-reduce. Measured here (2 ranks, 1
+    thread each, loopback, 25 MiB float32, medians of 8 interleaved, load average 2.7 on 2 cores):
+    reduce_scatter_tensor 42.7 ms [37-48], all_reduce 23.1 ms [20-27], and the shard's copy adds ~5 ms.
+    Other backends (NCCL) reduce-scatter natively into the shard, half the bytes received.
     """
 
     def __init__(self, comm: Comm, on_shard: OnShard | None = None, native: bool | None = None):
@@ -108,21 +111,25 @@ class ReduceScatter(Reduction):
         self.shards = comm.world_size
         self.native = comm.backend != "gloo" if native is None else native
         self.on_shard = on_shard
-        self._shards: dict[int, torch.Tensor] = {}
-
-    def shard(self, index: int) -> torch.Tensor:
-        return self._shards[index]
+        self._outputs: dict[int, torch.Tensor] = {}  # native: bucket index -> its shard, until finish
 
     def start(self, bucket: Bucket, what: str) -> Any:
-        lo, hi = bucket.layout.shard_range(self.comm.rank)
         if not self.native:
-            self._shards[bucket.index] = bucket.storage[lo:hi]  # a view: the all-reduce leaves the average there
             return self.comm.all_reduce(bucket.storage, what, async_op=True)
-        out = self._shards.get(bucket.index)
-        if out is None:
-            out = self._shards[bucket.index] = bucket.storage.new_empty(hi - lo)
+        lo, hi = bucket.layout.shard_range(self.comm.rank)
+        out = self._outputs[bucket.index] = bucket.storage.new_empty(hi - lo)  # handed over in finish: new
         return self.comm.reduce_scatter_tensor(out, bucket.storage, what, async_op=True)
 
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
+        if self.native:
+            shard = self._outputs.pop(bucket.index)
+        else:
+            lo, hi = bucket.layout.shard_range(self.comm.rank)
+            shard = bucket.storage[lo:hi].clone()  # the all-reduce left the whole average; only this is kept
+        bucket.release()
         if self.on_shard is not None:
-            self.on_shard(bucket, self._shards[bucket.index], everywhere_used)
+            self.on_shard(bucket, shard, everywhere_used)
+
+    def held(self) -> list[torch.Tensor]:
+        """The shard outputs this reduction still holds (native, between launch and finish)."""
+        return list(self._outputs.values())

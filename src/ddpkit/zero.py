@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .comm import Comm
 from .zero_grads import ATTRIBUTE, GradShards, unit_plan
-from .zero_partition import partition_flat, partition_whole
+from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
 from .zero_unit import Unit
 
@@ -130,7 +130,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for position, param in enumerate(group["params"]):
             by_kind.setdefault((param.dtype, param.device), []).append(position)
         local: list[torch.Tensor] = []
-        for positions in by_kind.values():
+        for positions in (c for same in by_kind.values() for c in chunk_positions(group["params"], same)):
             params = [group["params"][p] for p in positions]
             numels = [p.numel() for p in params]
             cut = partition_whole if self.whole else partition_flat
@@ -166,22 +166,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for key, value in group.items():
                 if key != "params":
                     local[key] = value  # hyperparameters live here (schedulers set them); the shard reads them
-        for unit in self.units:
-            unit.lend_grads()
-        try:
-            self.optim.step()
-        finally:
-            for unit in self.units:
-                unit.take_back_grads()
         self._consolidated = None
-        # The first layers' buckets last in index order: gathered first, so the next forward can start sooner.
-        started = [(unit, unit.start_gather()) for unit in reversed(self.units)]
-        for unit, handle in started:
+        for unit, handle in self._step_and_gather():
             if self.grad_shards is not None:
                 self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
             else:
                 unit.finish_gather(handle)
         return loss
+
+    def _step_and_gather(self) -> list[tuple[Unit, Any]]:
+        """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps. (Each
+        local step sees only that unit's gradients; an elementwise optimizer skips the others, so the result is
+        that of one step over all.) A shape-aware optimizer reads the parameters' own .grad: one step for all.
+        The first layers' buckets come last in index order: gathered first, so the next forward starts sooner."""
+        units = list(reversed(self.units))
+        if self.whole:
+            self.optim.step()
+            return [(unit, unit.start_gather()) for unit in units]
+        started = []
+        for unit in units:
+            if unit.mine:
+                unit.lend_grads()
+                try:
+                    self.optim.step()
+                finally:
+                    unit.take_back_grads()
+            started.append((unit, unit.start_gather()))
+        return started
 
     def wait_for_params(self) -> None:
         """Stage 2: wait for the parameter all-gathers the last step left in flight. The wrapper's next forward,

@@ -6,18 +6,28 @@ that is. `GradShards` keeps those shards (summed over synchronised backward pass
 would be), and drops the parameters' local .grad, so after backward a rank holds 1/N of the gradients. A
 ZeroRedundancyOptimizer built on the module's parameters finds this object on them, steps on the shards and
 all-gathers the updated parameter shards bucket by bucket, asynchronously: they run while the caller does what
-comes between the step and the next forward (the scheduler, zero_grad, the next batch), and the wrapper's
-forward (and the module's own, when called unwrapped) waits for them all. (Waiting per module, for the buckets of its own parameters only, would overlap the
-forward too, but a module may read a parameter it does not own, e.g. a weight tied by hand: not done yet.)
-Reading the module's state_dict waits too.
+comes between the step and the next forward (the scheduler, zero_grad, the next batch) and on into that
+forward. The wrapper's forward waits for a bucket only when its parameters are read: while it runs, a torch
+function mode (`WaitOnRead`) looks at every torch function's arguments (and into list and tuple arguments)
+and, when one is a parameter whose bucket is still being gathered, waits for that bucket before the function
+runs. So the first layer starts once its own bucket is in while the later buckets are still on the wire, and
+a module that reads a parameter it does not own (a weight tied by hand, `F.linear(x, self.other.weight)`)
+waits for that parameter's bucket just the same: no read, whichever module makes it, sees a stale value.
+Whatever no function read is waited for when the forward returns (or raises). Fallbacks that wait for every
+bucket first: under torch.compile (a mode inside a traced frame would be traced too), and when the module is
+called unwrapped (evaluation) or its state_dict is read (a checkpoint), through hooks on the module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .bucket import Bucket
 from .comm import Comm
@@ -46,11 +56,13 @@ class GradShards:
         self.used: dict[int, list[bool]] = {}  # bucket index -> per member: some rank gave it a gradient
         self.consumer: Any = None  # the ZeroRedundancyOptimizer stepping on these shards
         self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle) of its parameters' all-gather
+        self.bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket's index
+        self._reading = False  # inside the wrapper's forward, where reads wait for their own bucket only
         for param in params:
             setattr(param, ATTRIBUTE, self)
         # The module called directly (evaluation on the unwrapped model) or its state_dict read (a checkpoint):
         # both wait for the gathers too.
-        self._hooks = (module.register_forward_pre_hook(lambda *args: self.wait_all()),
+        self._hooks = (module.register_forward_pre_hook(lambda *args: None if self._reading else self.wait_all()),
                        module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
     # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
@@ -60,18 +72,26 @@ class GradShards:
                                "gradients, which only ddpkit.ZeroRedundancyOptimizer can step; build one on the "
                                "wrapped model's parameters before the first backward (or use zero_stage=0)")
         index = bucket.index
-        self.buckets.setdefault(index, bucket)
+        if index not in self.buckets:
+            self.buckets[index] = bucket
+            self.bucket_of.update((id(param), index) for param in bucket.params)
         used = [everywhere_used is None or everywhere_used[i] for i in bucket.members]
         if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
             self.grads[index].add_(shard)
             self.used[index] = [a or b for a, b in zip(self.used[index], used)]
         else:
-            # A copy: on gloo the shard is a view of the bucket's storage, which the next backward refills.
-            self.grads[index] = shard.clone()
+            self.grads[index] = shard  # the reduction's own tensor (the bucket's storage is released)
             self.used[index] = used
         for position, param in enumerate(bucket.params):
             if used[position]:
                 param.grad = None  # this rank's local sum is in the reduced shard now
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: the buckets' flat storage (while made), the shards
+        (in flight and accumulated) and the parameters' .grad, each storage counted once."""
+        tensors = [b.storage for b in self.buckets.values() if b.allocated] + self.reduction.held()
+        tensors += list(self.grads.values()) + [p.grad for p in self.params if p.grad is not None]
+        return storage_bytes(tensors)
 
     def zero_grad(self) -> None:
         self.grads.clear()
@@ -99,6 +119,44 @@ class GradShards:
         for index in sorted(self.gathers):
             self.wait(index)
 
+    @contextlib.contextmanager
+    def forward_reads(self) -> Iterator[None]:
+        """Around the wrapper's forward: each read of a parameter waits for its own bucket (module docstring)."""
+        if not self.gathers or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+            self.wait_all()  # nothing in flight, or torch.compile: no mode inside traced frames
+            yield
+            return
+        self._reading = True
+        try:
+            with WaitOnRead(self):
+                yield
+        finally:
+            self._reading = False
+            self.wait_all()  # what no function read: the parameters of unused layers
+
+    def wait_for_args(self, args: tuple, kwargs: dict) -> None:
+        bucket_of = self.bucket_of
+        for arg in itertools.chain(args, kwargs.values()):
+            for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+                index = bucket_of.get(id(tensor))
+                if index is not None and index in self.gathers:
+                    self.wait(index)
+
+
+class WaitOnRead(TorchFunctionMode):
+    """A torch function handed a parameter whose bucket is still being gathered waits for that bucket first.
+    (Inside this method the mode is off, so the wait's own torch calls do not come back here.)"""
+
+    def __init__(self, shards: GradShards):
+        super().__init__()
+        self.shards = shards
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.shards.gathers:
+            self.shards.wait_for_args(args, kwargs)
+        return func(*args, **kwargs)
+
 
 def unit_plan(layout: Any) -> UnitPlan:
     """A bucket's shards as a ZeRO unit: rank r owns the pieces of its shard, numbered by member position."""
@@ -106,3 +164,12 @@ def unit_plan(layout: Any) -> UnitPlan:
     segments = tuple(tuple(Piece(position[s.param], s.start, s.stop, s.shard_offset)
                            for s in layout.shard_pieces(rank)) for rank in range(layout.shards))
     return UnitPlan(tuple(layout.numels), segments, layout.shard_numel, whole=False)
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once, whole)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -108,3 +108,25 @@ def partition_whole(numels: Sequence[int], world_size: int) -> UnitPlan:
                 at += n
         segments.append(tuple(pieces))
     return UnitPlan(tuple(numels), tuple(segments), max(load) if load else 0, whole=True)
+
+
+# Stage 1 cuts each param group and dtype into units of at least this many bytes of whole parameters, so that
+# the all-gather of one unit runs while the next one steps (stage 2's units are the reducer's buckets). 4 MiB:
+# the stage-1 step of the bench MLP (6.3M parameters, AdamW, 2 gloo ranks) took 57 ms, against 69 ms uncut,
+# 70 ms at 8 MiB and 61 ms at 2 MiB (medians of 12 steps, one interleaved run, load average 2.4 on 2 cores).
+CHUNK_BYTES = 4 << 20
+
+
+def chunk_positions(params: Sequence, positions: Sequence[int], cap_bytes: int | None = None) -> list[list[int]]:
+    """`positions` (indices into `params`, in order) in runs closed once they hold at least `cap_bytes`
+    (None: CHUNK_BYTES, read at each call)."""
+    cap_bytes = CHUNK_BYTES if cap_bytes is None else cap_bytes
+    chunks: list[list[int]] = [[]]
+    held = 0
+    for position in positions:
+        if held >= cap_bytes:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(position)
+        held += params[position].numel() * params[position].element_size()
+    return [chunk for chunk in chunks if chunk]
