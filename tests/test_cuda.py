@@ -78,7 +78,7 @@ def test_nccl_truth():
 
 def fp16_trainer(world, out, stage):
     """fp16 on CUDA in the Trainer: float16 autocast, the CUDA GradScaler, skips agreed over NCCL, scaler.pt."""
-    from test_trainer import Classifier, _args, classification_data
+    from conftest import Classifier, classification_data, trainer_args
 
     from ddpkit.checkpoint import load_checkpoint
     from ddpkit.precision import AgreedGradScaler
@@ -88,7 +88,7 @@ def fp16_trainer(world, out, stage):
     torch.manual_seed(0)
     model = Classifier()
     data = [{**sample, "x": sample["x"].float()} for sample in classification_data(48)]
-    args = _args(f"{out}/run", fp16=True, max_steps=6, save_strategy="steps", save_steps=3,
+    args = trainer_args(f"{out}/run", fp16=True, max_steps=6, save_strategy="steps", save_steps=3,
                  per_device_train_batch_size=4, ddp_zero_stage=stage)
     trainer = Trainer(model, args, data)
     trainer.train()

@@ -534,11 +534,11 @@ class Plain(nn.Module):
 def trainer_run(world, out, stage, resume, accumulation):
     """The Trainer with ddp_zero_stage=stage: 6 AdamW steps of a global batch of 8, clipped, saved every 2."""
     from ddpkit import Trainer
-    from test_trainer import _args, classification_data
+    from conftest import classification_data, trainer_args
 
     torch.manual_seed(0)
     model = Plain().double()
-    args = _args(out, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=6,
+    args = trainer_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=6,
                  save_strategy="steps", save_steps=2, max_grad_norm=0.1, ddp_zero_stage=stage,
                  ddp_replica_check_steps=1)
     trainer = Trainer(model, args, classification_data(32))
