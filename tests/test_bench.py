@@ -9,6 +9,8 @@ import json
 import math
 
 import pytest
+import torch
+from torch import nn
 
 from ddpkit import bench
 
@@ -131,3 +133,25 @@ def test_smoke_compiled_variants(tmp_path):
 def test_compile_options_rejected(bad):
     with pytest.raises(ValueError, match="backend|warm-up"):
         bench.BenchConfig(**bad)
+
+
+def test_bench_memory_figures_count_what_they_say():
+    """bench --zero's peak: the high-water mark of live tensor bytes allocated inside the run; its gradient
+    bytes: each storage once, however many .grad views it backs."""
+    from ddpkit.bench_zero_memory import grad_bytes, peak_bytes
+
+    mib = 1 << 20
+
+    def step(held):
+        scratch = torch.ones(2 * mib // 4)  # freed at the end of the step: counts only while it lives
+        held.append(scratch[: mib // 4].clone())
+
+    # build: 1 MiB; step 1: + 2 scratch + 1 kept (4), down to 2; step 2: + 2 + 1 = 5 MiB at the peak.
+    peak = peak_bytes(lambda: [torch.zeros(mib // 4)], step, 2)
+    assert 5 * mib <= peak <= 5 * mib + 4096, peak
+    layer = nn.Linear(4, 4)
+    flat = torch.zeros(20)
+    layer.weight.grad, layer.bias.grad = flat[:16].view(4, 4), flat[16:]
+    assert grad_bytes(layer) == 80
+    layer.bias.grad = torch.zeros(4)
+    assert grad_bytes(layer) == 96

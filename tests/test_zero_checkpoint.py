@@ -1,0 +1,118 @@
+"""ZeRO checkpoints (ddpkit.zero_checkpoint): a run saved under any stage and world size resumes under any other
+one with the uninterrupted loss curve, by hand and in the Trainer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from conftest import run_world
+
+GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
+RESUME_STEPS, SAVE_AT = 5, 3
+
+
+def resume_run(world, stage, folder, load):
+    """Train RESUME_STEPS AdamW steps of one global batch each (stage 0: DDP + AdamW; 1: + ZeRO; 2: zero_stage=2),
+    saving a checkpoint after SAVE_AT, or start from that checkpoint; the full-batch loss after each step."""
+    import ddpkit
+    from ddpkit.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    module = models.make("transformer")
+    model = ddpkit.DistributedDataParallel(module, bucket_cap_mb=0.002, zero_stage=2 if stage == 2 else 0)
+    groups = [{"params": [p for p in module.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, eps=1e-4) if stage == 0 else \
+        ddpkit.ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=1e-3, eps=1e-4)
+    start = 0
+    if load:
+        start = load_checkpoint(find_latest_checkpoint(folder), model=module, optimizer=opt, world=world).step
+    share = GLOBAL // world.world_size
+    curve = {}
+    for step in range(start, RESUME_STEPS):
+        x, y = models.batch("transformer", GLOBAL, seed=step)
+        opt.zero_grad()
+        lo = world.rank * share
+        models.loss("transformer", model, x[lo:lo + share], y[lo:lo + share], world.rank, step).backward()
+        opt.step()
+        if stage:
+            opt.wait_for_params()
+        with torch.no_grad():
+            probe_x, probe_y = models.batch("transformer", GLOBAL, seed=999)
+            curve[step] = models.loss("transformer", module, probe_x, probe_y, 0, step).item()
+        if not load and step + 1 == SAVE_AT:
+            save_checkpoint(folder, step + 1, model=module, optimizer=opt, trainer_state={"global_step": step + 1},
+                            comm=ddpkit.Comm.for_group(), world=world)
+    files = sorted(os.listdir(find_latest_checkpoint(folder)))
+    return curve, files
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 2), (3, 1)), ((3, 1), (1, 0)), ((2, 2), (2, 0)),
+                                            ((1, 0), (2, 2))])
+def test_resume_across_stages_and_world_sizes(tmp_path, saved, resumed):
+    (n_saved, stage_saved), (n_resumed, stage_resumed) = saved, resumed
+    folder = str(tmp_path)
+    whole, files = run_world(resume_run, n_saved, args=(stage_saved, folder, False), deadline_s=180)[0]
+    if stage_saved:  # each rank wrote its slice; nobody wrote the whole state
+        assert [f for f in files if f.startswith("optimizer")] == [f"optimizer_shard_{r}.pt" for r in range(n_saved)]
+    results = run_world(resume_run, n_resumed, args=(stage_resumed, folder, True), deadline_s=180)
+    for rank, (curve, _) in enumerate(results):
+        assert sorted(curve) == list(range(SAVE_AT, RESUME_STEPS))
+        for step, loss in curve.items():
+            # Another world size sums the gradient average in another order: float32 rounding, relative 1e-6.
+            assert abs(loss - whole[step]) <= 1e-6 * max(1.0, abs(whole[step])), \
+                f"rank {rank} step {step}: {loss} resumed, {whole[step]} uninterrupted"
+
+
+class Plain(nn.Module):
+    """test_trainer's classifier without dropout, so that one rank and two draw the same computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x, labels=None, idx=None):
+        logits = self.net(x)
+        return {"loss": None if labels is None else torch.nn.functional.cross_entropy(logits, labels),
+                "logits": logits}
+
+
+def trainer_run(world, out, stage, resume, accumulation):
+    """The Trainer with ddp_zero_stage=stage: 6 AdamW steps of a global batch of 8, clipped, saved every 2."""
+    from ddpkit import Trainer
+    from conftest import classification_data, trainer_args
+
+    torch.manual_seed(0)
+    model = Plain().double()
+    args = trainer_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=6,
+                 save_strategy="steps", save_steps=2, max_grad_norm=0.1, ddp_zero_stage=stage,
+                 ddp_replica_check_steps=1)
+    trainer = Trainer(model, args, classification_data(32))
+    trainer.train(resume_from_checkpoint=resume)
+    return [(e["step"], e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+def test_trainer_stages_resume_across_stages_and_world_sizes(tmp_path):
+    out = str(tmp_path)
+    stage2 = run_world(trainer_run, 2, args=(f"{out}/z2", 2, None, 2), deadline_s=150)[0]
+    stage0 = run_world(trainer_run, 2, args=(f"{out}/z0", 0, None, 2), deadline_s=150)[0]
+    # Resumed from stage 2's sharded checkpoint at step 4: one rank, stage 0, the same global batch of 8.
+    (one,) = run_world(trainer_run, 1, args=(f"{out}/one", 0, f"{out}/z2/checkpoint-4", 4), deadline_s=150)
+    # And stage 1 on two ranks from stage 0's whole optimizer.pt at step 2.
+    stage1 = run_world(trainer_run, 2, args=(f"{out}/z1", 1, f"{out}/z0/checkpoint-2", 2), deadline_s=150)[0]
+    assert [s for s, _, _ in stage2] == list(range(1, 7))
+    assert min(norm for _, _, norm in stage0) > 0.1, "the test must clip"
+    for label, run, first in (("stage 0", stage0, 1), ("1 rank from stage 2", one, 5), ("stage 1", stage1, 3)):
+        got = {step: (loss, norm) for step, loss, norm in run if step >= first}  # before: the saved history
+        assert sorted(got) == list(range(first, 7)), label
+        for step, loss, norm in stage2[first - 1:]:
+            # float64; another world size or a sharded norm sums in another order: rounding only.
+            assert abs(got[step][0] - loss) <= 1e-9 * abs(loss) and abs(got[step][1] - norm) <= 1e-9 * norm, \
+                f"{label}, step {step}: {got[step]} against stage 2's uninterrupted {(loss, norm)}"
+    files = os.listdir(f"{out}/z2/checkpoint-4")
+    assert "optimizer.pt" not in files and {"optimizer_shard_0.pt", "optimizer_shard_1.pt"} <= set(files)
