@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from .bench_workloads import WORKLOADS, Workload
-from .comm import Comm, barrier
+from .comm import Comm, barrier, destroy_process_group
 from .ddp import DistributedDataParallel
-from .env import destroy_process_group, init_process_group
+from .env import init_process_group
 from .monitor import attach_stall_monitor
 
 VARIANTS = ("ddpkit", "torch", "bare")
@@ -57,7 +57,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure_model(name: str, world, cfg) -> dict[str, Any]:
+def measure_model(name: str, world, cfg, monitor: Any = None) -> dict[str, Any]:
     """This rank's step times in seconds: {"params", "tensors", "wall": {variant: [per round: [per step]]},
     "cpu": {the same}}."""
     workload = WORKLOADS[name]
@@ -66,10 +66,11 @@ def measure_model(name: str, world, cfg) -> dict[str, Any]:
     batch = workload.batch(torch.Generator().manual_seed(1000 * cfg.seed + world.rank))  # each rank its own shard
     comm = Comm.for_group()
     # The inspector's thread runs all along (about one store write a second); what differs between "ddpkit" and
-    # "inspected" is whether its collectives are reported to it, which is the cost on the step's path.
-    monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None
+    # "inspected" is whether its collectives are reported to it, which is the cost on the step's path. It is the
+    # world's one inspector (rank_main's): closing it would post that this rank left the job.
     timeline = _timeline_variant(runs["timeline"], world) if cfg.timeline else None
-    observers = {"inspected": [monitor], "timeline": [timeline]}
+    # (No inspector in a world of one: nothing to watch.)
+    observers = {"inspected": [monitor] if monitor is not None else [], "timeline": [timeline] if timeline else []}
     for variant in variants:
         comm.observers = observers.get(variant, [])
         for _ in range(cfg.warmup):
@@ -83,8 +84,9 @@ def measure_model(name: str, world, cfg) -> dict[str, Any]:
             block = [_step(*runs[variant], workload, batch) for _ in range(cfg.steps)]
             wall[variant].append([w for w, _ in block])
             cpu[variant].append([c for _, c in block])
-    comm.observers = [o for o in (monitor, timeline) if o is not None]
-    comm.close_observers()
+    if timeline is not None:
+        timeline.close()
+    comm.observers = [monitor] if monitor is not None else []  # destroy_process_group closes it
     params = list(runs["bare"][0].parameters())
     with torch.no_grad():
         losses = {v: workload.loss(runs[v][0], batch).item() for v in variants}
@@ -122,9 +124,11 @@ def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:
         torch.set_flush_denormal(True)
         world = init_process_group(backend="gloo", timeout=cfg.timeout_s)
         try:
+            comm = Comm.for_group()
+            monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None
             out = {}
             for name in cfg.models:
-                out[name] = measure_model(name, world, cfg)
+                out[name] = measure_model(name, world, cfg, monitor)
                 if rank == 0:
                     results.put(("progress", rank, f"world of {world_size}: {name} done"))
         finally:
