@@ -3,6 +3,7 @@ decision can never part the ranks), a callback present on one rank only, and Tra
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -140,3 +141,31 @@ def test_transformers_early_stopping_stops_every_rank_after_the_same_evaluation(
                                                                   args=(str(tmp_path),))
     assert step0 == step1 == 4
     assert best0 == best1 and best0 is not None and metric0 == metric1
+
+
+class Counts(TrainerCallback):
+    """A stateful callback (Transformers' ExportableState shape): how many evaluations it has seen."""
+
+    def __init__(self):
+        self.evaluations = 0
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evaluations += 1
+
+    def state(self):
+        return {"args": {}, "attributes": {"evaluations": self.evaluations}}
+
+
+def test_stateful_callbacks_are_saved_and_restored_only_when_asked(tmp_path, local_world):
+    schedule = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2)
+    first = Counts()
+    _trainer(tmp_path / "run", [first], **schedule).train()
+    assert first.evaluations == 4
+    with open(tmp_path / "run" / "checkpoint-2" / "trainer_state.json") as f:
+        assert json.load(f)["stateful_callbacks"] == {"Counts": {"args": {}, "attributes": {"evaluations": 2}}}
+    for restore, expected in ((True, 4), (False, 2)):  # resumed at step 2, evaluated at steps 3 and 4
+        again = Counts()
+        trainer = _trainer(tmp_path / f"again-{restore}", [again], restore_callback_states_from_checkpoint=restore,
+                           **schedule)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+        assert again.evaluations == expected, restore

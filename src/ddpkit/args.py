@@ -91,6 +91,8 @@ class TrainingArguments:
                                           "nesterov; adafactor takes beta2_decay, d.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
                                                  "(calls model.gradient_checkpointing_enable()).")
+    restore_callback_states_from_checkpoint: bool = _field(False, "On resume, give the callbacks that export "
+                                                                  "a state (state()) what they saved.")
     resume_from_checkpoint: str | None = _field(None, "Checkpoint folder to resume from; 'true': the newest in "
                                                       "output_dir.")
     report_to: list[str] = _field(["none"], "Integrations to log to: tensorboard, all or none.")  # noqa: RUF009

@@ -107,6 +107,29 @@ class CallbackHandler:
     def remove_callback(self, callback: Any) -> None:
         self.pop_callback(callback)
 
+    def export_states(self) -> dict[str, Any]:
+        """What the callbacks with a `state()` (Transformers' ExportableState) export, by class name: a list when
+        several share a class. Saved in trainer_state.json's stateful_callbacks."""
+        states: dict[str, list[Any]] = {}
+        for callback in self.callbacks:
+            if callable(getattr(callback, "state", None)):
+                states.setdefault(type(callback).__name__, []).append(callback.state())
+        return {name: found[0] if len(found) == 1 else found for name, found in states.items()}
+
+    def restore_states(self, saved: dict[str, Any]) -> None:
+        """Set each stateful callback's saved `attributes` back (its arguments stay the ones it was built with);
+        callbacks of classes the checkpoint does not name keep their state."""
+        seen: dict[str, int] = {}
+        for callback in self.callbacks:
+            name = type(callback).__name__
+            if not callable(getattr(callback, "state", None)) or name not in saved:
+                continue
+            states = saved[name] if isinstance(saved[name], list) else [saved[name]]
+            index = seen[name] = seen.get(name, -1) + 1
+            if index < len(states):
+                for key, value in states[index].get("attributes", {}).items():
+                    setattr(callback, key, value)
+
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for callback in self.callbacks:
             method = getattr(callback, event, None)

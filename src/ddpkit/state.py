@@ -40,6 +40,7 @@ class TrainerState:
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     total_flos: float = 0.0
+    stateful_callbacks: dict[str, Any] = dataclasses.field(default_factory=dict)  # class name -> state() (or a list)
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     should_stop: bool = False  # the ranks agreed to stop early (SIGTERM, Ctrl-C)

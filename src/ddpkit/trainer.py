@@ -221,6 +221,8 @@ class Trainer:
         self.state.global_step = trainer_state["global_step"]
         for name in ("log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
+        if self.args.restore_callback_states_from_checkpoint:
+            self.callback_handler.restore_states(trainer_state.get("stateful_callbacks", {}))
         self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
                                  trainer_state.get("steps_since_last_log", 0))
         return sampler_state
@@ -299,6 +301,7 @@ class Trainer:
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self.state.loss_since_last_log, self.state.steps_since_last_log = self._loss.unlogged_part()
+        self.state.stateful_callbacks = self.callback_handler.export_states()
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer,
                                  scheduler=self.lr_scheduler, sampler_state=sampler.state_dict(),
                                  scaler=self.precision.scaler)
