@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .comm import Comm, flags_of_main
+from .comm import Comm, flags_of_main, max_over_ranks
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_step_end", "on_evaluate", "on_log", "on_save")
@@ -152,8 +152,7 @@ class Agreement:
         self.needed = False
 
     def start(self, handler: CallbackHandler) -> None:
-        mine = [bool(handler.callbacks)]
-        self.needed = flags_of_main(self.comm, mine, "callbacks present", self.device, any_rank=True)[0]
+        self.needed = max_over_ranks(self.comm, float(bool(handler.callbacks)), "callbacks present", self.device) > 0
 
     def settle(self, control: TrainerControl, moment: str) -> TrainerControl:
         if self.needed:

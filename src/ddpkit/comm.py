@@ -378,15 +378,10 @@ def decided_by_main(comm: Comm, value: Any, what: str) -> Any:
     return comm.broadcast_object(value, src=0, what=what)
 
 
-def flags_of_main(comm: Comm, flags: Sequence[bool], what: str, device: torch.device | None = None,
-                  any_rank: bool = False) -> list[bool]:
-    """Rank 0's `flags` on every rank (one broadcast), or with any_rank=True each flag set where any rank set it
-    (one all-reduce)."""
+def flags_of_main(comm: Comm, flags: Sequence[bool], what: str, device: torch.device | None = None) -> list[bool]:
+    """Rank 0's `flags` on every rank (one broadcast)."""
     box = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=device)
-    if any_rank:
-        comm.all_reduce(box, what=what, op=dist.ReduceOp.MAX)
-    else:
-        comm.broadcast(box, src=0, what=what)
+    comm.broadcast(box, src=0, what=what)
     return [v > 0 for v in box.tolist()]
 
 
