@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                   f"--resume_from_checkpoint true --output_dir {args.output_dir}")
         destroy_process_group()
         return result.metrics
-    metrics = trainer.evaluate()
+    # The last step was evaluated already unless the flags turned evaluation off: evaluating again repeats it.
+    metrics = trainer.state.evaluation_at(result.global_step) or trainer.evaluate()
     trainer.save_model()
     if trainer.world.is_main:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

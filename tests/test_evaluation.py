@@ -26,3 +26,12 @@ def test_a_rank_without_evaluation_samples_leaves_the_labels_to_the_others(tmp_p
     (loss0, n0, alone0), (loss1, n1, alone1) = run_world(one_sample_world, world_size=2, args=(str(tmp_path),))
     assert n0 == n1 == 1.0  # rank 1 holds none of the one sample, yet compute_metrics saw its label
     assert loss0 == loss1 and abs(loss0 - alone0) < 1e-12 and alone0 == alone1
+
+
+def test_evaluation_at_is_the_evaluation_logged_at_that_step():
+    from ddpkit.state import TrainerState
+
+    state = TrainerState(log_history=[{"loss": 1.0, "step": 2}, {"eval_loss": 0.5, "step": 2},
+                                      {"eval_loss": 0.4, "step": 4}, {"train_loss": 0.9, "step": 4}])
+    assert state.evaluation_at(2) == {"eval_loss": 0.5, "step": 2}
+    assert state.evaluation_at(4)["eval_loss"] == 0.4 and state.evaluation_at(3) is None

@@ -64,6 +64,13 @@ class TrainerState:
                 return entry[key]
         return float("nan")
 
+    def evaluation_at(self, step: int, prefix: str = "eval") -> dict[str, Any] | None:
+        """The metrics the Trainer's evaluation logged at `step` (its log entry), or None when it made none."""
+        for entry in reversed(self.log_history):
+            if entry.get("step") == step and f"{prefix}_loss" in entry:
+                return entry
+        return None
+
     def logged_at(self, key: str, step: int) -> bool:
         """Whether `key` was logged at `step`."""
         return any(key in e and e.get("step") == step for e in self.log_history)
