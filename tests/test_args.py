@@ -219,7 +219,7 @@ def test_args_module_imports_only_the_rank_question_of_env():
     assert os.path.basename(module.__file__) == "args.py"
 
 
-def test_a_command_line_error_is_one_line_printed_by_rank_zero_only(capsys, monkeypatch):
+def test_a_command_line_error_is_one_line_printed_by_rank_zero_only(capsys, monkeypatch, tmp_path):
     for rank, printed in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
@@ -231,6 +231,15 @@ def test_a_command_line_error_is_one_line_printed_by_rank_zero_only(capsys, monk
             assert "max_steps" in err and "usage:" not in err and len(err.strip().splitlines()) == 2, err
         else:
             assert err == ""
+    # Under a launcher every rank records it: the rank that exits first is the root cause, with the message
+    # (rank 0 alone recording it lost the message whenever another rank exited first and rank 0 was stopped).
+    monkeypatch.setenv("RANK", "1")
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit):
+        parse_args(["--max_steps", "0"])
+    assert capsys.readouterr().err == ""
+    assert "max_steps: must be > 0" in error_file.read_text()
 
 
 def test_under_the_launcher_a_bad_flag_is_reported_once(tmp_path):

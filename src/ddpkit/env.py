@@ -192,14 +192,15 @@ def is_main_process(environ: Mapping[str, str] | None = None) -> bool:
 
 def report_startup_error(text: str) -> None:
     """Show, once for the whole job, an error that stops every rank before any process group exists (a bad
-    command-line flag): under ddpkit launch or torchrun rank 0 records it as the job's root cause, which the
-    launcher's summary prints; without a launcher rank 0 prints it. Other ranks stay silent."""
-    if not is_main_process():
-        return
+    command-line flag): under ddpkit launch or torchrun every rank records it as its error, so whichever rank
+    exits first is a root cause with the message (the launcher's summary prints the root cause's alone; rank 0
+    only recording it was lost when another rank exited first and the agent stopped rank 0 before it wrote);
+    without a launcher rank 0 prints it and the other ranks stay silent."""
     path = os.environ.get(ERROR_FILE_VAR)
     if path and write_error_file(path, message_record(text)):
         return
-    print(text, file=sys.stderr, flush=True)
+    if is_main_process():
+        print(text, file=sys.stderr, flush=True)
 
 
 def available_backends() -> list[str]:
