@@ -105,3 +105,117 @@ def test_a_world_of_one_numbers_collectives_and_tells_observers_of_them():
     assert comm.all_reduce(tensor, "loss") is None and comm.broadcast_object(7, what="x") == 7
     assert [e[:3] for e in recorder.events] == [("issued", 1, "all_reduce"), ("issued", 2, "broadcast_object")]
     assert [r.seq for r in comm.log] == [1, 2]
+
+
+def pairwise_collectives(world):
+    """gloo's reduce-scatter and all-gather, composed from point-to-point sends, against a one-process sum."""
+    from ddpkit.comm import Comm
+
+    comm = Comm.for_group()
+    gloo = Comm(None)  # the same group through gloo's own collectives, for comparison
+    gloo.pairwise = False
+    r, n = world.rank, world.world_size
+    checks = []
+
+    def every(numel, dtype, seed):
+        return [torch.randn(numel * n, generator=torch.Generator().manual_seed(100 * seed + k)).to(dtype)
+                for k in range(n)]
+
+    for seed, (numel, dtype) in enumerate(((1, torch.float32), (1001, torch.float32), (257, torch.float64),
+                                           (64, torch.bfloat16))):
+        inputs = every(numel, dtype, seed)
+        total = inputs[0].clone()
+        for more in inputs[1:]:
+            total += more  # rank order, as one process would loop
+        want = total[r * numel:(r + 1) * numel]
+        got, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        comm.reduce_scatter_tensor(got, inputs[r].clone(), "pairwise rs")
+        gloo.reduce_scatter_tensor(theirs, inputs[r].clone(), "gloo rs")
+        checks.append((f"rs {numel} {dtype} bitwise", torch.equal(got, want)))
+        near = 0.1 if dtype == torch.bfloat16 else 1e-5  # gloo's own sums in another order: bf16 keeps 8 bits
+        checks.append((f"rs {numel} {dtype} as gloo's", torch.allclose(theirs.double(), want.double(), atol=near)))
+        gathered = torch.empty(numel * n, dtype=dtype)
+        comm.all_gather_into_tensor(gathered, inputs[r][:numel], "pairwise ag")
+        checks.append((f"ag {numel} {dtype}", torch.equal(gathered, torch.cat([x[:numel] for x in inputs]))))
+
+    # In flight at once and waited for in the other order; in place both (the output a part of the input).
+    inputs = every(300, torch.float32, 9)
+    total = sum(inputs[1:], inputs[0].clone())
+    buffer = inputs[r].clone()
+    full = torch.zeros(300 * n)
+    full[r * 300:(r + 1) * 300] = inputs[r][:300]
+    rs = comm.reduce_scatter_tensor(buffer[r * 300:(r + 1) * 300], buffer, "in place rs", async_op=True)
+    ag = comm.all_gather_into_tensor(full, full[r * 300:(r + 1) * 300], "in place ag", async_op=True)
+    recorder = _recorder()
+    comm.add_observer(recorder)
+    seq = comm.seq
+    comm.wait(ag)
+    comm.wait(rs)
+    comm.wait(rs)  # again: the sum is not added twice
+    comm.remove_observer(recorder)
+    checks.append(("in place rs", torch.equal(buffer[r * 300:(r + 1) * 300], total[r * 300:(r + 1) * 300])))
+    checks.append(("in place ag", torch.equal(full, torch.cat([x[:300] for x in inputs]))))
+    checks += _gathered_pieces(comm, gloo, r, n)
+    return {"checks": checks, "events": recorder.events, "seq": seq}
+
+
+def _gathered_pieces(comm, gloo, r, n):
+    """all_gather_pieces: every rank's own tensors land in every rank's matching ones, directly (a few
+    contiguous pieces), through a buffer (many pieces, a transposed one, or gloo's own all-gather), with
+    uneven sizes and a last rank that owns nothing."""
+    def value(k, j, shape):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * k + j))
+
+    layouts = {"direct": [(7, 2, 33)] * (n - 1) + [()], "many": [(1,) * 20] * (n - 1) + [()],
+               "transposed": [((4, 3), 5)] * (n - 1) + [()]}
+    checks = []
+    for via, name in ((comm, "direct"), (comm, "many"), (comm, "transposed"), (gloo, "direct")):
+        shapes = layouts[name]
+        pieces = []
+        for k, owned in enumerate(shapes):
+            part = []
+            for j, shape in enumerate(owned):
+                t = value(k, j, shape) if k == r else torch.zeros(shape)
+                part.append(t.t() if isinstance(shape, tuple) else t)  # a 2-D piece: a transposed view
+            pieces.append(part)
+        via.all_gather_pieces(pieces, f"pieces {name}")
+        ok = all(torch.equal(t.t() if isinstance(shape, tuple) else t, value(k, j, shape))
+                 for k, owned in enumerate(shapes) for j, (t, shape) in enumerate(zip(pieces[k], owned)))
+        checks.append((f"pieces {name} {'pairwise' if via.pairwise else 'gloo'}", ok))
+    return checks
+
+
+def test_pairwise_reduce_scatter_and_all_gather_are_one_process_sums():
+    """On gloo both are point-to-point sends: every element of a reduce-scatter is the rank-order sum one
+    process computes, bitwise (close to gloo's own), the all-gather exact; two in flight at once do not mix,
+    in place works, and the observers hear of each wait."""
+    for world_size in (2, 3):
+        for result in run_world(pairwise_collectives, world_size):
+            bad = [name for name, ok in result["checks"] if not ok]
+            assert not bad, (world_size, bad)
+            s = result["seq"]
+            assert result["events"] == [("began", s), ("ended", s, None), ("finished", s, True),
+                                        ("began", s - 1), ("ended", s - 1, None), ("finished", s - 1, True),
+                                        ("began", s - 1), ("ended", s - 1, None), ("finished", s - 1, True)]
+
+
+def _missing_peer(world):
+    from ddpkit.comm import Comm
+
+    if world.rank == 1:
+        time.sleep(6)  # never joins the reduce-scatter; stays up past rank 0's timeout
+        return None
+    started = time.monotonic()
+    try:
+        Comm.for_group().reduce_scatter_tensor(torch.empty(4), torch.ones(8), "alone")
+    except Exception as exc:  # noqa: BLE001 - the type and text are the result
+        return isinstance(exc, RuntimeError), type(exc).__name__, str(exc)[:200], time.monotonic() - started
+    return None
+
+
+def test_a_pairwise_collective_without_its_peer_raises_at_the_timeout():
+    """Never a hang: the point-to-point receives obey the process group's timeout."""
+    rank0, _ = run_world(_missing_peer, 2, collective_timeout_s=2.0, stall_seconds=0)
+    assert rank0 is not None, "the reduce-scatter returned without its peer"
+    runtime_error, _, text, waited = rank0  # torch's collectives raise RuntimeErrors (DistBackendError) too
+    assert runtime_error and "Timed out" in text and 1.5 < waited < 5.5, rank0

@@ -13,6 +13,7 @@ no_sync.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 
@@ -156,7 +157,8 @@ def stage1_against_truth(world, opt_name, names, bucket_view):
             else:
                 opt = cls(model.parameters(), **kwargs)
             runs[kind] = (module, model, opt)
-        result = {kind: {"bitwise": [], "errors": [], "prints": [], "held": []} for kind in ("zero", "zero2")}
+        result = {kind: {"bitwise": [], "from_plain": [], "errors": [], "prints": [], "held": []}
+                  for kind in ("zero", "zero2")}
         for step in range(STEPS):
             held = {kind: _ddp_step(name, runs[kind][1], runs[kind][2], step, world.rank, world.world_size)
                     for kind in ("plain", "zero", "zero2")}
@@ -165,12 +167,17 @@ def stage1_against_truth(world, opt_name, names, bucket_view):
                 params = list(runs[kind][0].parameters())
                 got = result[kind]
                 got["bitwise"].append(all(torch.equal(a, b) for a, b in zip(params, runs["plain"][0].parameters())))
+                got["from_plain"].append(max((a.double() - b.double()).abs().max().item()
+                                             for a, b in zip(params, runs["plain"][0].parameters())))
                 got["errors"].append(max((a.double() - b.double()).abs().max().item()
                                          for a, b in zip(params, runs["truth"][0].parameters())))
                 got["prints"].append(_fingerprint(runs[kind][0]))
                 got["held"].append(held[kind])
         result["zero"]["state"] = _state_checks(runs, world)
-        result["zero2"]["same_as_plain"] = _consolidated_equal(runs["zero2"][2], runs["plain"][2], world)
+        # Stage 2's shard is the rank-order sum (ddpkit.comm's pairwise reduce-scatter on gloo); DDP's all-reduce
+        # sums in gloo's ring order, which is the same on 2 ranks only (a + b == b + a) but not on 3.
+        result["zero2"]["same_as_plain"] = _consolidated_equal(runs["zero2"][2], runs["plain"][2], world,
+                                                               exact=world.world_size <= 2)
         reducer = runs["zero2"][1].reducer
         result["zero2"]["buckets"] = len(reducer.buckets) if reducer is not None else 0
         result["param_bytes"] = sum(p.numel() * p.element_size() for p in runs["plain"][0].parameters()
@@ -183,15 +190,16 @@ def stage1_against_truth(world, opt_name, names, bucket_view):
     return out
 
 
-def _consolidated_equal(zero, plain, world):
+def _consolidated_equal(zero, plain, world, exact=True):
     zero.consolidate_state_dict(to=0)
     if world.rank != 0:
         with pytest.raises(RuntimeError, match="consolidate_state_dict"):
             zero.state_dict()
         return None
     mine, theirs = zero.state_dict(), plain.state_dict()
+    same = torch.equal if exact else functools.partial(torch.allclose, rtol=1e-5, atol=TOL)
     return mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys() \
-        and all(torch.equal(mine["state"][i][k], v) for i, s in theirs["state"].items() for k, v in s.items())
+        and all(same(mine["state"][i][k], v) for i, s in theirs["state"].items() for k, v in s.items())
 
 
 def _state_checks(runs, world):
@@ -231,7 +239,9 @@ def test_stage1_matches_plain_optimizer_and_truth(world_size, opt_name):
             per_rank = [r[name][kind] for r in results]
             what = f"{name}, {'stage 1' if kind == 'zero' else 'stage 2'} on {world_size} ranks"
             for rank, got in enumerate(per_rank):
-                assert all(got["bitwise"]), f"{what}, rank {rank}: differs from DDP + {opt_name}: {got['bitwise']}"
+                if kind == "zero" or world_size <= 2:  # on 3 ranks stage 2 sums in another order than DDP
+                    assert all(got["bitwise"]), f"{what}, rank {rank}: differs from DDP + {opt_name}: {got['bitwise']}"
+                assert max(got["from_plain"]) <= TOL, f"{what}, rank {rank}: {got['from_plain']} from DDP"
                 assert max(got["errors"]) <= TOL, f"{what}, rank {rank}: {got['errors']} from single-process truth"
                 assert got["prints"] == per_rank[0]["prints"], f"{what}: rank {rank}'s replica differs from rank 0's"
             assert per_rank[0]["same_as_plain"] if kind == "zero2" else per_rank[0]["state"]["same_as_plain"], \

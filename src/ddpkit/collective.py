@@ -1,13 +1,17 @@
 """What one collective is, apart from the Comm that issues it: its record, the observer protocol that hears of it,
-the handle of one in flight, and how many tensors travel as one message.
+the numbering and telling of the observers (`Observed`, Comm's base), the handle of one in flight, and how many
+tensors travel as one message.
 
 `ddpkit.comm.Comm` is the only caller of collectives; this module calls none.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,10 +61,22 @@ class CommObserver:
 
 @dataclasses.dataclass
 class Pending:
-    """An asynchronous collective in flight; `Comm.wait` waits for it."""
+    """An asynchronous collective in flight; `Comm.wait` waits for it, then runs `then` (unpacking a buffer)."""
 
     work: Any
     record: CollectiveRecord
+    then: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class Exchange:
+    """Point-to-point transfers in flight that together make one collective (`Comm`'s pairwise path); `then`
+    completes it once they are all done (a reduce-scatter's sum). Their Works have no future, so the observers
+    hear that it finished when it is waited for."""
+
+    works: list[Any]
+    record: CollectiveRecord
+    then: Callable[[], None] | None = None
 
 
 class _DoneWork:
@@ -79,6 +95,109 @@ class _DoneWork:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self.tensor)
         return fut
+
+
+class Observed:
+    """The numbering and the observers of one process group's collectives, apart from calling any: `Comm`
+    (ddpkit.comm) issues them and tells this class of each; this class tells the observers and waits."""
+
+    def __init__(self, log_size: int = 64):
+        self.seq = 0
+        self.log: collections.deque[CollectiveRecord] = collections.deque(maxlen=log_size)
+        # Told of every collective, in this order; a plain list so that a caller may also assign one.
+        self.observers: list[CommObserver] = []
+
+    def add_observer(self, observer: CommObserver) -> None:
+        if observer not in self.observers:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: CommObserver) -> None:
+        if observer in self.observers:
+            self.observers.remove(observer)
+
+    def close_observers(self) -> None:
+        """Close and remove every observer (before the group goes away)."""
+        observers, self.observers = self.observers, []
+        for observer in observers:
+            observer.close()
+
+    def _record(self, op: str, what: str, nbytes: int) -> CollectiveRecord:
+        self.seq += 1
+        record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic())
+        self.log.append(record)
+        for observer in self.observers:
+            observer.issued(record)
+        return record
+
+    def _watch(self, work: Any, record: CollectiveRecord) -> None:
+        """Tell the observers when an asynchronous collective completes (only called when there are some)."""
+        observers = tuple(self.observers)
+
+        def done(fut: torch.futures.Future) -> None:
+            error = None
+            try:
+                fut.value()
+            except Exception as exc:  # noqa: BLE001 - reported, and raised again by whoever waits
+                error = exc
+            for observer in observers:
+                observer.finished(record, error)
+
+        work.get_future().add_done_callback(done)
+
+    @contextlib.contextmanager
+    def _blocking(self, record: CollectiveRecord, finishes: bool = True) -> Iterator[None]:
+        """Around every wait: tell the observers, and let them replace a failure by its explanation.
+
+        finishes: the end of this wait is when the collective finished (not told already by `_watch`)."""
+        observers = tuple(self.observers) if self.observers else ()
+        for observer in observers:
+            observer.wait_began(record)
+        try:
+            yield
+        except BaseException as exc:
+            replacement = None
+            for observer in observers:
+                replacement = observer.wait_ended(record, exc) or replacement
+                if finishes:
+                    observer.finished(record, exc)
+            if replacement is not None and replacement is not exc:
+                raise replacement from exc
+            raise
+        for observer in observers:
+            observer.wait_ended(record, None)
+            if finishes:
+                observer.finished(record, None)
+
+    def wait(self, pending: Any, record: CollectiveRecord | None = None) -> Any:
+        """Wait for an asynchronous collective: a `Pending` or an `Exchange` from `all_reduce(async_op=True)`
+        and its kin, or a Future with the `record` of what it is (from `note`)."""
+        if isinstance(pending, Pending):
+            with self._blocking(pending.record, finishes=False):
+                pending.work.wait()
+            then, pending.then = pending.then, None
+            if then is not None:
+                then()
+            return None
+        if isinstance(pending, Exchange):
+            # Once, however often it is waited for: a point-to-point Work waited for again waits for a new message.
+            works, pending.works = pending.works, []
+            with self._blocking(pending.record):
+                for work in works:
+                    work.wait()
+            then, pending.then = pending.then, None
+            if then is not None:
+                then()
+            return None
+        if isinstance(pending, torch._C.Future):
+            record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
+            with self._blocking(record):
+                return pending.wait()
+        pending.wait()
+        return None
+
+    def note(self, op: str, what: str, nbytes: int = 0) -> CollectiveRecord:
+        """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained."""
+        return self._record(op, what, nbytes)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

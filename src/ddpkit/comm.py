@@ -15,14 +15,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import pickle
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import env, pairwise
 from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: part of this module's API
     BROADCAST_CHUNK_BYTES,
     CollectiveRecord,
@@ -30,11 +29,13 @@ from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: par
     Pending,
     _as_bytes,
     _chunks,
+    Exchange,
+    Observed,
     _DoneWork,
 )
 from .env import DistEnv
 
-class Comm:
+class Comm(Observed):
     """Collectives over one process group, numbered and logged.
 
     group=None is the default (world) group. Without any process group, or in a world of one, every
@@ -48,10 +49,10 @@ class Comm:
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.backend = dist.get_backend(group) if self.active else "none"
-        self.seq = 0
-        self.log: collections.deque[CollectiveRecord] = collections.deque(maxlen=log_size)
-        # Told of every collective, in this order; a plain list so that a caller may also assign one.
-        self.observers: list[CommObserver] = []
+        super().__init__(log_size)
+        # Reduce-scatter and all-gather of CPU tensors composed from point-to-point sends (see `_exchange`):
+        # gloo's own collectives for them are slower than its all-reduce. Tests set False to compare.
+        self.pairwise = self.backend == "gloo"
         self.open_sync_windows = 0  # reducers on this group inside a synchronised backward (see Reducer)
 
     # One Comm per process group, found from the group: torch's DDP constructor (which ours mirrors) receives
@@ -73,86 +74,6 @@ class Comm:
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
 
-    # -- observers ----------------------------------------------------------------------------------------------
-    def add_observer(self, observer: CommObserver) -> None:
-        if observer not in self.observers:
-            self.observers.append(observer)
-
-    def remove_observer(self, observer: CommObserver) -> None:
-        if observer in self.observers:
-            self.observers.remove(observer)
-
-    def close_observers(self) -> None:
-        """Close and remove every observer (before the group goes away)."""
-        observers, self.observers = self.observers, []
-        for observer in observers:
-            observer.close()
-
-    def _record(self, op: str, what: str, nbytes: int) -> CollectiveRecord:
-        self.seq += 1
-        record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic())
-        self.log.append(record)
-        for observer in self.observers:
-            observer.issued(record)
-        return record
-
-    def _watch(self, work: Any, record: CollectiveRecord) -> None:
-        """Tell the observers when an asynchronous collective completes (only called when there are some)."""
-        observers = tuple(self.observers)
-
-        def done(fut: torch.futures.Future) -> None:
-            error = None
-            try:
-                fut.value()
-            except Exception as exc:  # noqa: BLE001 - reported, and raised again by whoever waits
-                error = exc
-            for observer in observers:
-                observer.finished(record, error)
-
-        work.get_future().add_done_callback(done)
-
-    @contextlib.contextmanager
-    def _blocking(self, record: CollectiveRecord, finishes: bool = True) -> Iterator[None]:
-        """Around every wait: tell the observers, and let them replace a failure by its explanation.
-
-        finishes: the end of this wait is when the collective finished (not told already by `_watch`)."""
-        observers = tuple(self.observers) if self.observers else ()
-        for observer in observers:
-            observer.wait_began(record)
-        try:
-            yield
-        except BaseException as exc:
-            replacement = None
-            for observer in observers:
-                replacement = observer.wait_ended(record, exc) or replacement
-                if finishes:
-                    observer.finished(record, exc)
-            if replacement is not None and replacement is not exc:
-                raise replacement from exc
-            raise
-        for observer in observers:
-            observer.wait_ended(record, None)
-            if finishes:
-                observer.finished(record, None)
-
-    def wait(self, pending: Any, record: CollectiveRecord | None = None) -> Any:
-        """Wait for an asynchronous collective: a `Pending` from `all_reduce(async_op=True)`, or a Future with
-        the `record` of what it is (from `note`)."""
-        if isinstance(pending, Pending):
-            with self._blocking(pending.record, finishes=False):
-                pending.work.wait()
-            return None
-        if isinstance(pending, torch._C.Future):
-            record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
-            with self._blocking(record):
-                return pending.wait()
-        pending.wait()
-        return None
-
-    def note(self, op: str, what: str, nbytes: int = 0) -> CollectiveRecord:
-        """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained."""
-        return self._record(op, what, nbytes)
-
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank `group_rank` (collectives take global ranks as src)."""
         if self.group is None or not self.active:
@@ -167,10 +88,7 @@ class Comm:
         if not self.distributed:
             return _DoneWork(tensor) if async_op else None
         if async_op:
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-            if self.observers:
-                self._watch(work, record)
-            return Pending(work, record)
+            return self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record)
         with self._blocking(record):
             dist.all_reduce(tensor, op=op, group=self.group)
         return None
@@ -193,10 +111,14 @@ class Comm:
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
+        if self._pairs(input) and op == dist.ReduceOp.SUM:
+            plan = pairwise.reduce_scatter(output.view(-1), input.view(-1), self.rank, self.world_size)
+            exchange = self._exchange(record, *plan)
+            return exchange if async_op else self.wait(exchange)
         # torch 2.13 renamed it reduce_scatter_single; older versions have only reduce_scatter_tensor.
         collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         if async_op:
-            return Pending(collective(output, input, op=op, group=self.group, async_op=True), record)
+            return self._pending(collective(output, input, op=op, group=self.group, async_op=True), record)
         with self._blocking(record):
             collective(output, input, op=op, group=self.group)
         return None
@@ -211,12 +133,54 @@ class Comm:
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
+        pending = self._all_gather_flat(output, input, record)
+        return pending if async_op else self.wait(pending)
+
+    def all_gather_pieces(self, pieces: Sequence[Sequence[torch.Tensor]], what: str = "",
+                          async_op: bool = False):
+        """Every rank's own tensors into the matching tensors of every other rank. `pieces[r]` are, on every
+        rank, the tensors rank r's values go into (`pieces[self.rank]`: what this rank sends); the same count,
+        dtype and sizes on every rank. On gloo they travel straight from and into those tensors (views of
+        parameters: nothing packed, nothing copied); elsewhere through one flat all-gather."""
+        record = self._record("all_gather", what, sum(t.numel() * t.element_size() for p in pieces for t in p))
+        if not self.distributed:
+            return _DoneWork(None) if async_op else None
+        some = next((t for part in pieces for t in part), None)
+        if some is None:
+            return _DoneWork(None) if async_op else None
+        if self._pairs(some) and pairwise.direct(pieces):
+            pending = self._exchange(record, *pairwise.all_gather_pieces(pieces, self.rank))
+        else:
+            out, mine, unpack = pairwise.packed(pieces, self.rank)
+            pending = self._all_gather_flat(out, mine, record)
+            pending.then = unpack
+        return pending if async_op else self.wait(pending)
+
+    def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor, record: CollectiveRecord) -> Any:
+        if self._pairs(input):
+            return self._exchange(record, *pairwise.all_gather(output.view(-1), input.view(-1), self.rank,
+                                                               self.world_size))
         collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        if async_op:
-            return Pending(collective(output, input, group=self.group, async_op=True), record)
-        with self._blocking(record):
-            collective(output, input, group=self.group)
-        return None
+        return self._pending(collective(output, input, group=self.group, async_op=True), record)
+
+    def _pending(self, work: Any, record: CollectiveRecord) -> Pending:
+        if self.observers:
+            self._watch(work, record)
+        return Pending(work, record)
+
+    # gloo's reduce-scatter and all-gather are slower than point-to-point messages (ddpkit.pairwise: the plans
+    # and the figures); NCCL keeps its native collectives.
+    def _pairs(self, tensor: torch.Tensor) -> bool:
+        return self.pairwise and tensor.device.type == "cpu"
+
+    def _exchange(self, record: CollectiveRecord, sends: list[pairwise.Message], receives: list[pairwise.Message],
+                  then: Any = None) -> Exchange:
+        """Post every receive and send of a plan at once. Tagged with the collective's sequence number (the same
+        on every rank) and each message's number: no message is taken for another, in flight at once or not."""
+        base = (record.seq % (1 << 21)) << 8
+        works = [dist.irecv(t, group=self.group, tag=base + k % 256, group_src=peer) for peer, t, k in receives]
+        works += [dist.isend(t, group=self.group, tag=base + k % 256, group_dst=peer) for peer, t, k in sends]
+        return Exchange(works, record, then)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
         record = self._record("broadcast", what, tensor.numel() * tensor.element_size())

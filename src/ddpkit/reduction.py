@@ -99,37 +99,27 @@ class ReduceScatter(Reduction):
     next backward's fill makes it again. The parameters' .grad keep this rank's local sums: the owner of the
     shards drops them (or not).
 
-    On gloo the reduce-scatter is an all-reduce of which the shard is copied out: gloo has no native
-    reduce-scatter of a flat tensor and emulates it, slower than its all-reduce. Measured here (2 ranks, 1
-    thread each, loopback, 25 MiB float32, medians of 8 interleaved, load average 2.7 on 2 cores):
-    reduce_scatter_tensor 42.7 ms [37-48], all_reduce 23.1 ms [20-27], and the shard's copy adds ~5 ms.
-    Other backends (NCCL) reduce-scatter natively into the shard, half the bytes received.
+    The collective is `Comm.reduce_scatter_tensor`: native on NCCL, and on gloo (whose own is slower than its
+    all-reduce) composed from point-to-point sends, half the bytes of an all-reduce received (see ddpkit.comm).
     """
 
-    def __init__(self, comm: Comm, on_shard: OnShard | None = None, native: bool | None = None):
+    def __init__(self, comm: Comm, on_shard: OnShard | None = None):
         super().__init__(comm)
         self.shards = comm.world_size
-        self.native = comm.backend != "gloo" if native is None else native
         self.on_shard = on_shard
-        self._outputs: dict[int, torch.Tensor] = {}  # native: bucket index -> its shard, until finish
+        self._outputs: dict[int, torch.Tensor] = {}  # bucket index -> its shard, from launch until finish
 
     def start(self, bucket: Bucket, what: str) -> Any:
-        if not self.native:
-            return self.comm.all_reduce(bucket.storage, what, async_op=True)
         lo, hi = bucket.layout.shard_range(self.comm.rank)
         out = self._outputs[bucket.index] = bucket.storage.new_empty(hi - lo)  # handed over in finish: new
         return self.comm.reduce_scatter_tensor(out, bucket.storage, what, async_op=True)
 
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
-        if self.native:
-            shard = self._outputs.pop(bucket.index)
-        else:
-            lo, hi = bucket.layout.shard_range(self.comm.rank)
-            shard = bucket.storage[lo:hi].clone()  # the all-reduce left the whole average; only this is kept
+        shard = self._outputs.pop(bucket.index)
         bucket.release()
         if self.on_shard is not None:
             self.on_shard(bucket, shard, everywhere_used)
 
     def held(self) -> list[torch.Tensor]:
-        """The shard outputs this reduction still holds (native, between launch and finish)."""
+        """The shard outputs this reduction still holds (between launch and finish)."""
         return list(self._outputs.values())

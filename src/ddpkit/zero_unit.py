@@ -38,7 +38,6 @@ class Unit:
         # What the local optimizer holds: the parameter itself for whole pieces of a shape-aware optimizer, a
         # flat view of its elements otherwise. Updating a view updates the parameter: no copy in, no copy out.
         self.locals: list[torch.Tensor] = [self._local(piece) for piece in self.mine]
-        self._theirs = self._other_pieces()
 
     def _pack(self) -> None:
         """Move the parameters into one flat buffer laid out as the all-gather leaves it, as views of it."""
@@ -86,54 +85,31 @@ class Unit:
         return [g for g in map(self.grad_of, self.mine) if g is not None]
 
     # -- the all-gather -------------------------------------------------------------------------------------------
-    # In place: this rank's segment of the gathered buffer is its input (NCCL and gloo both take an input that is
-    # the output's own rank slice), so nothing is copied into a send buffer. With bucket_view the parameters are
-    # views of that buffer and nothing is copied at all; otherwise this rank's updated pieces are copied into
-    # its segment, and only the other ranks' pieces out of the buffer (this rank's are updated in place).
-    # (An all-reduce with bitwise OR of a buffer zero but for this rank's segment gathers the same bits; on gloo it
-    # measured slower: 32.0 ms against all_gather_into_tensor's 28.9 for 25 MiB, 2 ranks, medians of 8.)
+    # Without bucket_view every rank's updated pieces go straight into the other ranks' parameters
+    # (Comm.all_gather_pieces: on gloo point-to-point from and into the parameters' own memory, nothing packed or
+    # copied; elsewhere through one flat buffer). With bucket_view the parameters are views of one flat buffer
+    # laid out as the all-gather leaves it, and this rank's segment of it is the input: in place, no copy either.
     def start_gather(self) -> Any:
         """Every rank's updated segment into every rank (asynchronously); `finish_gather` takes the handle."""
         plan = self.plan
         size = plan.segment_numel
         if size == 0:
             return None
-        out = self.flat
-        if out is None:
-            param = self.params[0]
-            out = torch.empty(size * plan.world_size, dtype=param.dtype, device=param.device)
-        mine = out[self.rank * size:(self.rank + 1) * size]
+        what = f"zero params, {self.name}"
         if self.flat is None:
-            if self.mine:
-                torch._foreach_copy_([mine[p.offset:p.offset + p.numel] for p in self.mine],
-                                     [local.detach().reshape(-1) for local in self.locals])
-            used = sum(p.numel for p in self.mine)
-            mine[used:].zero_()  # the padding of the last segments: sent, never read
-        work = self.comm.all_gather_into_tensor(out, mine, f"zero params, {self.name}", async_op=True)
-        return work, out
+            return self.comm.all_gather_pieces([[self._view(p) for p in segment] for segment in plan.segments],
+                                               what, async_op=True)
+        mine = self.flat[self.rank * size:(self.rank + 1) * size]
+        return self.comm.all_gather_into_tensor(self.flat, mine, what, async_op=True)
 
     def finish_gather(self, handle: Any) -> None:
-        if handle is None:
-            return
-        work, out = handle
-        self.comm.wait(work)
-        if self.flat is not None:
-            return  # the parameters are views of `out`
-        dst, src = [], []
-        for member, start, stop, at in self._theirs:
-            param = self.params[member].detach()
-            if param.is_contiguous():
-                dst.append(param.view(-1)[start:stop])
-                src.append(out[at:at + stop - start])
-            else:  # only whole pieces (a shape-aware optimizer's) may be of a non-contiguous parameter
-                dst.append(param)
-                src.append(out[at:at + stop - start].view(param.shape))
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+        if handle is not None:
+            self.comm.wait(handle)
 
-    def _other_pieces(self) -> list[tuple[int, int, int, int]]:
-        """(member, start, stop, offset in the gathered buffer) of every piece other ranks update."""
-        size = self.plan.segment_numel
-        return [(piece.param, piece.start, piece.stop, rank * size + piece.offset)
-                for rank, segment in enumerate(self.plan.segments) if rank != self.rank for piece in segment]
+    def _view(self, piece: Piece) -> torch.Tensor:
+        """The piece's elements in its parameter: a flat view, or the parameter itself for a whole piece (a
+        shape-aware optimizer's, perhaps not contiguous: then it travels through a buffer)."""
+        param = self.params[piece.param].detach()
+        if self.plan.whole:
+            return param
+        return param.view(-1)[piece.start:piece.stop]
