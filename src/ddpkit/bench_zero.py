@@ -13,7 +13,8 @@ order rotated each round (as `ddpkit bench` does), a barrier before every timed 
     torch-zero    torch's DDP + torch's ZeroRedundancyOptimizer
     fsdp2         torch's fully_shard(reshard_after_forward=False) + AdamW (stage 2 in FSDP2's terms)
 
-Reported: rank 0's median step time per variant, its ratio to torch's DDP (median of the per-round ratios
+Reported: rank 0's median step time per variant (each round's: a block of steps, its last all-gathers waited
+for, over the number of steps), its ratio to torch's DDP (median of the per-round ratios
 [min-max]), the same ratio of process CPU time (`cpu`: every thread of the rank, gloo's included; it leaves
 out time spent descheduled or waiting for the other rank, so it moves less on a shared machine), and per rank
 the optimizer-state bytes, the gradient bytes held after backward and the peak of live tensor bytes
@@ -72,15 +73,23 @@ def _make(variant: str, name: str, seed: int):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _step(model, optimizer, workload, batch, wait: bool = False) -> tuple[float, float]:
-    """One training step: (wall-clock seconds, process CPU seconds, every thread of this rank)."""
-    began, cpu = time.perf_counter(), time.process_time()
+def _step(model, optimizer, workload, batch, wait: bool = False) -> None:
+    """One training step."""
     optimizer.zero_grad(set_to_none=True)
     workload.loss(model, batch).backward()
     optimizer.step()
     if wait and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()  # stage 2's gathers, else left in flight when the peak run ends
-    return time.perf_counter() - began, time.process_time() - cpu
+
+
+def _block(model, optimizer, workload, batch, steps: int) -> tuple[float, float]:
+    """`steps` training steps: (wall-clock seconds, process CPU seconds of every thread of this rank) per step.
+    The last step waits for its parameters: stage 2 leaves its all-gathers in flight into the next forward,
+    which is inside the block for every step but the last, whose gathers would otherwise go untimed."""
+    began, cpu = time.perf_counter(), time.process_time()
+    for index in range(steps):
+        _step(model, optimizer, workload, batch, wait=index == steps - 1)
+    return (time.perf_counter() - began) / steps, (time.process_time() - cpu) / steps
 
 
 def measure(name: str, rank: int, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
@@ -98,9 +107,9 @@ def measure(name: str, rank: int, steps: int, warmup: int, repeats: int) -> dict
     for r in range(repeats):
         for variant in round_order(r, VARIANTS):
             comm.barrier("bench round")
-            wall, used = zip(*(_step(*runs[variant], workload, batch) for _ in range(steps)))
-            times[variant].append(statistics.median(wall))
-            cpu[variant].append(statistics.median(used))
+            wall, used = _block(*runs[variant], workload, batch, steps)
+            times[variant].append(wall)
+            cpu[variant].append(used)
     memory = {v: state_bytes(runs[v][1]) for v in VARIANTS}
     grads = {v: _grads_after_backward(*runs[v], workload, batch) for v in VARIANTS}
     del runs
