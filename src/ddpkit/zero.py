@@ -29,7 +29,6 @@ the updated parameters in flight until the next forward (or wait_for_params()).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,7 +39,7 @@ from .comm import Comm
 from .zero_grads import ATTRIBUTE, GradShards, unit_plan
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
-from .zero_unit import Unit
+from .zero_unit import Unit, clip_shards_
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state: a flat slice
 # of a tensor steps exactly as that part of the whole tensor would.
@@ -178,8 +177,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps. (Each
         local step sees only that unit's gradients; an elementwise optimizer skips the others, so the result is
         that of one step over all.) A shape-aware optimizer reads the parameters' own .grad: one step for all.
-        The first layers' buckets come last in index order: gathered first, so the next forward starts sooner."""
+        Stage 2: the first layers' buckets come last in index order, gathered first so that the next forward
+        starts sooner. Stage 1 waits for every gather before step() returns: the largest units go first, so
+        that the longest transfers run while the smaller units step (the same order on every rank)."""
         units = list(reversed(self.units))
+        if self.grad_shards is None:
+            units.sort(key=lambda unit: -unit.plan.segment_numel)
         if self.whole:
             self.optim.step()
             return [(unit, unit.start_gather()) for unit in units]
@@ -371,29 +374,3 @@ def _grad_shards_of(params: list[torch.nn.Parameter]) -> GradShards | None:
 
 def _shard_grad(shards: GradShards, index: int, piece: Any) -> torch.Tensor | None:
     return shards.grad_of(index, piece.offset, piece.numel, piece.param)
-
-
-def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
-    norm_type = float(norm_type)
-    grads = [g for unit in units for g in unit.grads()]
-    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the all-reduce.
-    wide = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.float32)
-    device = units[0].params[0].device if units else torch.device("cpu")
-    if grads:
-        norms = torch.stack([n.to(wide) for n in torch._foreach_norm(grads, norm_type)])
-        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), dtype=wide, device=device)
-    total = local.reshape(1).clone()
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(total, "zero grad norm", op=op)
-    total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
-    # torch's formula: scale by max_norm / (norm + 1e-6), never up.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (grad_device, dtype), same in by_kind.items():
-        torch._foreach_mul_(same, coef.to(grad_device, dtype))
-    return total

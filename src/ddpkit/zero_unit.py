@@ -1,14 +1,17 @@
 """One unit of a ZeroRedundancyOptimizer at run time: the parameters of one param group with one dtype and
 device, this rank's pieces of them (what its local optimizer steps), and the all-gather that makes every
-replica whole again after the step. The plan (who owns what) is ddpkit.zero_partition's.
+replica whole again after the step; and the gradient clipping that reads every unit's shard (clip_shards_). The plan (who owns what) is ddpkit.zero_partition's.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .comm import Comm
 from .zero_partition import Piece, UnitPlan
@@ -113,3 +116,29 @@ class Unit:
         if self.plan.whole:
             return param
         return param.view(-1)[piece.start:piece.stop]
+
+
+def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
+    norm_type = float(norm_type)
+    grads = [g for unit in units for g in unit.grads()]
+    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the all-reduce.
+    wide = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.float32)
+    device = units[0].params[0].device if units else torch.device("cpu")
+    if grads:
+        norms = torch.stack([n.to(wide) for n in torch._foreach_norm(grads, norm_type)])
+        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=wide, device=device)
+    total = local.reshape(1).clone()
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    comm.all_reduce(total, "zero grad norm", op=op)
+    total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+    # torch's formula: scale by max_norm / (norm + 1e-6), never up.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (grad_device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, coef.to(grad_device, dtype))
+    return total
