@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from spawn import run_world
@@ -156,6 +157,12 @@ def pairwise_collectives(world):
     checks.append(("in place rs", torch.equal(buffer[r * 300:(r + 1) * 300], total[r * 300:(r + 1) * 300])))
     checks.append(("in place ag", torch.equal(full, torch.cat([x[:300] for x in inputs]))))
     checks += _gathered_pieces(comm, gloo, r, n)
+    # A non-contiguous output goes through gloo's own collective, as torch's takes it; mixed dtypes are refused.
+    strided = torch.zeros(n, 2)[:, 0]  # every other element: not contiguous
+    comm.all_gather_into_tensor(strided, torch.full((1,), float(r)), "strided ag")
+    checks.append(("strided ag", strided.tolist() == [float(k) for k in range(n)]))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        comm.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * n, dtype=torch.int32), "mixed")
     return {"checks": checks, "events": recorder.events, "seq": seq}
 
 
@@ -178,7 +185,17 @@ def _gathered_pieces(comm, gloo, r, n):
                 t = value(k, j, shape) if k == r else torch.zeros(shape)
                 part.append(t.t() if isinstance(shape, tuple) else t)  # a 2-D piece: a transposed view
             pieces.append(part)
-        via.all_gather_pieces(pieces, f"pieces {name}")
+        pending = via.all_gather_pieces(pieces, f"pieces {name}", async_op=True)
+        # Straight from and into the pieces: one message per piece and peer, each way; packed: one per peer
+        # each way; gloo's own all-gather: one Work.
+        if not via.pairwise:
+            messages = 1
+        elif name == "direct":
+            messages = (n - 1) * len(shapes[r]) + sum(len(owned) for k, owned in enumerate(shapes) if k != r)
+        else:
+            messages = 2 * (n - 1)
+        checks.append((f"pieces {name} messages", len(getattr(pending, "works", [None])) == messages))
+        via.wait(pending)
         ok = all(torch.equal(t.t() if isinstance(shape, tuple) else t, value(k, j, shape))
                  for k, owned in enumerate(shapes) for j, (t, shape) in enumerate(zip(pieces[k], owned)))
         checks.append((f"pieces {name} {'pairwise' if via.pairwise else 'gloo'}", ok))
@@ -206,10 +223,18 @@ def _missing_peer(world):
         time.sleep(6)  # never joins the reduce-scatter; stays up past rank 0's timeout
         return None
     started = time.monotonic()
+    comm = Comm.for_group()
+    pending = comm.reduce_scatter_tensor(torch.empty(4), torch.ones(8), "alone", async_op=True)
     try:
-        Comm.for_group().reduce_scatter_tensor(torch.empty(4), torch.ones(8), "alone")
+        comm.wait(pending)
     except Exception as exc:  # noqa: BLE001 - the type and text are the result
-        return isinstance(exc, RuntimeError), type(exc).__name__, str(exc)[:200], time.monotonic() - started
+        waited = time.monotonic() - started
+        try:
+            comm.wait(pending)  # waited again: still failed, not an empty success with half a sum
+            again = None
+        except Exception as second:  # noqa: BLE001
+            again = str(second)[:200]
+        return isinstance(exc, RuntimeError), again, str(exc)[:200], waited
     return None
 
 
@@ -217,5 +242,6 @@ def test_a_pairwise_collective_without_its_peer_raises_at_the_timeout():
     """Never a hang: the point-to-point receives obey the process group's timeout."""
     rank0, _ = run_world(_missing_peer, 2, collective_timeout_s=2.0, stall_seconds=0)
     assert rank0 is not None, "the reduce-scatter returned without its peer"
-    runtime_error, _, text, waited = rank0  # torch's collectives raise RuntimeErrors (DistBackendError) too
+    runtime_error, again, text, waited = rank0  # torch's collectives raise RuntimeErrors (DistBackendError) too
     assert runtime_error and "Timed out" in text and 1.5 < waited < 5.5, rank0
+    assert again == text, rank0

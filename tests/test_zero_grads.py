@@ -83,6 +83,15 @@ def stage2_surface(world):
             opt.step()
         if stage:
             waits = _waits_in_forward(model, x)
+            # A load_state_dict with gathers in flight waits for them first: they land straight in the
+            # parameters, and a late one would overwrite the loaded weights.
+            saved = {k: v.clone() for k, v in module.state_dict().items()}
+            models.loss("mlp", model, x, y, world.rank, 0).backward()
+            opt.step()
+            in_flight = len(model._grad_shards.gathers)
+            module.load_state_dict(saved)
+            loaded = (in_flight, len(model._grad_shards.gathers),
+                      all(torch.equal(p, saved[k]) for k, p in module.named_parameters()))
         model.check_replicas()
     twice = _two_synced_backwards(world)
     torch.manual_seed(0)
@@ -96,7 +105,7 @@ def stage2_surface(world):
         ddpkit.DistributedDataParallel(models.make("mlp"), zero_stage=1)
     with pytest.raises(ValueError, match="whole tensors"):
         ddpkit.ZeroRedundancyOptimizer(lonely.parameters(), torch.optim.Adafactor)
-    return losses, norms, waits, twice
+    return losses, norms, waits, twice, loaded
 
 
 def _two_synced_backwards(world):
@@ -123,7 +132,9 @@ def _two_synced_backwards(world):
 
 
 def test_stage2_forward_waits_reentrant_and_refusals():
-    for rank, (losses, norms, (waits, first), twice) in enumerate(run_world(stage2_surface, 2, deadline_s=180)):
+    for rank, (losses, norms, (waits, first), twice, loaded) in enumerate(run_world(stage2_surface, 2,
+                                                                                  deadline_s=180)):
+        assert loaded[0] > 0 and loaded[1:] == (0, True), f"load_state_dict with gathers in flight: {loaded}"
         # DDP adds the second average into .grad, stage 2 into the shard: the same sum, rounded otherwise.
         assert twice <= TOL, f"two synchronised backwards per step: {twice} from DDP"
         # The forward waits for the first layer's bucket first, while the others are still in flight, and

@@ -71,12 +71,14 @@ class Pending:
 @dataclasses.dataclass
 class Exchange:
     """Point-to-point transfers in flight that together make one collective (`Comm`'s pairwise path); `then`
-    completes it once they are all done (a reduce-scatter's sum). Their Works have no future, so the observers
-    hear that it finished when it is waited for."""
+    completes it once they are all done (a reduce-scatter's sum). gloo's point-to-point Works have no future, so
+    the observers hear that it finished when it is waited for: in a timeline its span runs to that wait (a
+    stage-2 parameter gather's to the next forward's first read of its bucket), longer than the transfer."""
 
     works: list[Any]
     record: CollectiveRecord
     then: Callable[[], None] | None = None
+    error: BaseException | None = None  # what its wait raised: raised again by every later wait
 
 
 class _DoneWork:
@@ -179,11 +181,17 @@ class Observed:
                 then()
             return None
         if isinstance(pending, Exchange):
-            # Once, however often it is waited for: a point-to-point Work waited for again waits for a new message.
-            works, pending.works = pending.works, []
+            if pending.error is not None:
+                raise pending.error  # failed once, failed for good: its messages never all came
             with self._blocking(pending.record):
-                for work in works:
-                    work.wait()
+                try:
+                    for work in pending.works:
+                        work.wait()
+                except BaseException as exc:
+                    pending.error = exc
+                    raise
+            # Once, however often it is waited for: a point-to-point Work waited for again waits for a new message.
+            pending.works = []
             then, pending.then = pending.then, None
             if then is not None:
                 then()

@@ -111,7 +111,7 @@ class Comm(Observed):
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
-        if self._pairs(input) and op == dist.ReduceOp.SUM:
+        if self._pairs(output, input) and op == dist.ReduceOp.SUM:
             plan = pairwise.reduce_scatter(output.view(-1), input.view(-1), self.rank, self.world_size)
             exchange = self._exchange(record, *plan)
             return exchange if async_op else self.wait(exchange)
@@ -157,7 +157,7 @@ class Comm(Observed):
         return pending if async_op else self.wait(pending)
 
     def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor, record: CollectiveRecord) -> Any:
-        if self._pairs(input):
+        if self._pairs(output, input):
             return self._exchange(record, *pairwise.all_gather(output.view(-1), input.view(-1), self.rank,
                                                                self.world_size))
         collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -170,8 +170,15 @@ class Comm(Observed):
 
     # gloo's reduce-scatter and all-gather are slower than point-to-point messages (ddpkit.pairwise: the plans
     # and the figures); NCCL keeps its native collectives.
-    def _pairs(self, tensor: torch.Tensor) -> bool:
-        return self.pairwise and tensor.device.type == "cpu"
+    def _pairs(self, *tensors: torch.Tensor) -> bool:
+        """Whether the point-to-point path takes these tensors: CPU tensors, contiguous (the messages are flat
+        views of them; gloo's own collectives take any layout), of one dtype (else gloo's refusal, below)."""
+        if not (self.pairwise and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
+            return False
+        if len({t.dtype for t in tensors}) > 1:  # received bytes would be read as the output's dtype: garbage
+            raise RuntimeError(f"the output and input tensors must have the same dtype, got "
+                               f"{' and '.join(str(t.dtype) for t in tensors)}: convert one of them (.to(dtype))")
+        return True
 
     def _exchange(self, record: CollectiveRecord, sends: list[pairwise.Message], receives: list[pairwise.Message],
                   then: Any = None) -> Exchange:

@@ -60,10 +60,12 @@ class GradShards:
         self._reading = False  # inside the wrapper's forward, where reads wait for their own bucket only
         for param in params:
             setattr(param, ATTRIBUTE, self)
-        # The module called directly (evaluation on the unwrapped model) or its state_dict read (a checkpoint):
-        # both wait for the gathers too.
+        # The module called directly (evaluation on the unwrapped model), its state_dict read (a checkpoint) or
+        # loaded (the receives land straight in the parameters: late ones would overwrite the loaded weights):
+        # all wait for the gathers too.
         self._hooks = (module.register_forward_pre_hook(lambda *args: None if self._reading else self.wait_all()),
-                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
+                       module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
     # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
     def _receive(self, bucket: Bucket, shard: torch.Tensor, everywhere_used: list[bool] | None) -> None:
