@@ -93,6 +93,13 @@ def batch(name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise KeyError(name)
 
 
+def micro(name: str, step: int, micro: int, world_size: int, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's `shard` samples of micro-batch `micro` of step `step`: one batch of shard * world_size cut in
+    rank order, so that the ranks together hold what one process trains on."""
+    x, y = batch(name, shard * world_size, seed=100 * step + micro)
+    return [(x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard]) for r in range(world_size)]
+
+
 def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     if name == "branchy":
         return F.cross_entropy(model(x, rank=rank, step=step), y)

@@ -46,10 +46,6 @@ def _make(name):
     return TwoDtypes() if name == "twodtypes" else models.make(name)
 
 
-def _batch(name, n, seed):
-    return models.batch("mlp" if name == "twodtypes" else name, n, seed)
-
-
 def _loss(name, model, x, y, rank, step):
     return models.loss("mlp" if name == "twodtypes" else name, model, x, y, rank, step)
 
@@ -72,8 +68,7 @@ def _fingerprint(module):
 
 
 def _micro(name, step, micro, world_size):
-    x, y = _batch(name, SHARD * world_size, seed=100 * step + micro)
-    return [(x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD]) for r in range(world_size)]
+    return models.micro("mlp" if name == "twodtypes" else name, step, micro, world_size, SHARD)
 
 
 def _ddp_step(name, model, opt, step, rank, world_size):

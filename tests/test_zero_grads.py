@@ -18,9 +18,7 @@ TOL = 1e-6
 
 
 def _micro(name, step, micro, world_size):
-    """Each rank's slice of micro-batch `micro` of step `step` (as test_zero.py cuts them)."""
-    x, y = models.batch(name, SHARD * world_size, seed=100 * step + micro)
-    return [(x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD]) for r in range(world_size)]
+    return models.micro(name, step, micro, world_size, SHARD)
 
 
 class Reentrant(nn.Module):
