@@ -176,9 +176,7 @@ class Observed:
         if isinstance(pending, Pending):
             with self._blocking(pending.record, finishes=False):
                 pending.work.wait()
-            then, pending.then = pending.then, None
-            if then is not None:
-                then()
+            _complete(pending)
             return None
         if isinstance(pending, Exchange):
             if pending.error is not None:
@@ -192,9 +190,7 @@ class Observed:
                     raise
             # Once, however often it is waited for: a point-to-point Work waited for again waits for a new message.
             pending.works = []
-            then, pending.then = pending.then, None
-            if then is not None:
-                then()
+            _complete(pending)
             return None
         if isinstance(pending, torch._C.Future):
             record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
@@ -206,6 +202,13 @@ class Observed:
     def note(self, op: str, what: str, nbytes: int = 0) -> CollectiveRecord:
         """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained."""
         return self._record(op, what, nbytes)
+
+
+def _complete(pending: Pending | Exchange) -> None:
+    """Run what completes a collective once it is in (unpack a buffer, sum a reduce-scatter): once only."""
+    then, pending.then = pending.then, None
+    if then is not None:
+        then()
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,11 @@ from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: par
     BROADCAST_CHUNK_BYTES,
     CollectiveRecord,
     CommObserver,
+    Exchange,
+    Observed,
     Pending,
     _as_bytes,
     _chunks,
-    Exchange,
-    Observed,
     _DoneWork,
 )
 from .env import DistEnv
@@ -50,8 +50,8 @@ class Comm(Observed):
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.backend = dist.get_backend(group) if self.active else "none"
         super().__init__(log_size)
-        # Reduce-scatter and all-gather of CPU tensors composed from point-to-point sends (see `_exchange`):
-        # gloo's own collectives for them are slower than its all-reduce. Tests set False to compare.
+        # Reduce-scatter and all-gather of CPU tensors as point-to-point messages (ddpkit.pairwise says why, with
+        # the figures): gloo's own collectives for them are slower. Tests set False to compare.
         self.pairwise = self.backend == "gloo"
         self.open_sync_windows = 0  # reducers on this group inside a synchronised backward (see Reducer)
 

@@ -1,6 +1,7 @@
 """One unit of a ZeroRedundancyOptimizer at run time: the parameters of one param group with one dtype and
 device, this rank's pieces of them (what its local optimizer steps), and the all-gather that makes every
-replica whole again after the step; and the gradient clipping that reads every unit's shard (clip_shards_). The plan (who owns what) is ddpkit.zero_partition's.
+replica whole again after the step; and the gradient clipping that reads every unit's shard (clip_shards_).
+The plan (who owns what) is ddpkit.zero_partition's.
 """
 
 from __future__ import annotations
