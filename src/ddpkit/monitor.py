@@ -72,8 +72,13 @@ def attach_stall_monitor(comm: Any, timeout_s: float, stall_seconds: float | Non
         return None
     threshold = default_threshold(timeout_s) if stall_seconds is None else stall_seconds
     store = dist.distributed_c10d._get_default_store()
-    group = f"{dist.get_process_group_ranks(comm.pg)[0]}-{comm.world_size}"
-    monitor = StallMonitor(store, comm.rank, comm.world_size, threshold, prefix=f"attempt_{restart}/{group}/")
+    group = f"attempt_{restart}/{dist.get_process_group_ranks(comm.pg)[0]}-{comm.world_size}/"
+    # A process group made again after destroy_process_group may find the first one's store (torchrun's agent
+    # keeps it for the whole attempt), with what the first one's inspectors posted as their ranks left it:
+    # read as this group's, those markers end the job as a deadlock at its first long wait. Each making of the
+    # group counts on every rank alike (init_process_group is collective), so the count names it.
+    made = store.add(f"{group}made/{comm.rank}", 1)
+    monitor = StallMonitor(store, comm.rank, comm.world_size, threshold, prefix=f"{group}{made}/")
     comm.add_observer(monitor)
     return monitor
 
