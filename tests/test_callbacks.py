@@ -105,19 +105,30 @@ def callbacks_world(world, out):
     # A callback on rank 0 only: the ranks agree once that callbacks exist, then on the flags at every step.
     lonely = _trainer(f"{out}/lonely", [RankDecides(0)] if world.rank == 0 else [])
     lonely.train()
-    return events.seen, decided, lonely.state.global_step, params_of(decides.model)
+    accumulating = Events()
+    _trainer(f"{out}/accumulating", [accumulating], max_steps=2, gradient_accumulation_steps=3,
+             eval_strategy="steps", eval_steps=2).train()
+    return events.seen, decided, lonely.state.global_step, params_of(decides.model), accumulating.seen
 
 
 def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     results = run_world(callbacks_world, world_size=2, args=(str(tmp_path),))
-    (seen0, decided0, lonely0, params0), (seen1, decided1, lonely1, params1) = results
+    (seen0, decided0, lonely0, params0, acc0), (seen1, decided1, lonely1, params1, acc1) = results
     assert seen0 == seen1  # every event on every rank, at the same steps
     names = [e[0] for e in seen0]
     assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]
     assert names[-1] == "on_train_end" and names.count("on_step_end") == 8 and names.count("on_save") == 2
-    step4 = [e for e in seen0 if e[1] == 4]
+    step4 = [e for e in seen0 if e[1] == 4 and e[0] != "on_prediction_step"]
     assert step4 == [("on_step_end", 4), ("on_log", 4, "loss"), ("on_log", 4, "eval_loss"),
-                     ("on_evaluate", 4, "eval_loss"), ("on_save", 4), ("on_step_begin", 4)]
+                     ("on_evaluate", 4, "eval_loss"), ("on_save", 4), ("on_step_begin", 4),
+                     ("on_pre_optimizer_step", 4), ("on_optimizer_step", 4)]
+    # 6 evaluation samples, 3 on each rank: one batch of the default per_device_eval_batch_size (8) at steps 4, 8.
+    assert [e[1] for e in seen0 if e[0] == "on_prediction_step"] == [4, 8]
+    # Accumulation over 3 micro-batches: Transformers' order of the events inside each step, on every rank.
+    assert acc0 == acc1
+    inside = [e[0] for e in acc0 if e[0] not in ("on_init_end", "on_train_begin", "on_epoch_begin")]
+    assert inside[:7] == ["on_step_begin", "on_substep_end", "on_substep_end", "on_pre_optimizer_step",
+                          "on_optimizer_step", "on_step_end", "on_log"], inside
     # Rank 0's requests took effect on both ranks; rank 1's (stop at step 1, save at every step) did not.
     assert decided0 == decided1 == ([2], 5, ["checkpoint-3"])
     assert all((a == b).all() for a, b in zip(params0, params1))

@@ -14,7 +14,9 @@ model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, plus `logs` (
 
 Callbacks run on every rank, but what they ask of the Trainer (stop, save, evaluate, log, end the epoch) is
 what rank 0's callbacks asked: the Trainer takes the control's flags from rank 0 (`Agreement`) before it acts on
-them, so a callback that decides from rank-local numbers cannot make the ranks part and hang.
+them, so a callback that decides from rank-local numbers cannot make the ranks part and hang. A flag set inside
+a step (on_substep_end, on_pre_optimizer_step, on_optimizer_step) is acted on when the step ends: every rank runs
+the whole agreed window of micro-batches, so that their all-reduces match.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 from .comm import Comm, flags_of_main, max_over_ranks
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-          "on_step_end", "on_evaluate", "on_log", "on_save")
+          "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
+          "on_prediction_step", "on_log", "on_save")
 
 
 @dataclasses.dataclass
@@ -74,8 +77,12 @@ class TrainerCallback:
     def on_epoch_begin(self, args, state, control, **kwargs): pass
     def on_epoch_end(self, args, state, control, **kwargs): pass
     def on_step_begin(self, args, state, control, **kwargs): pass
+    def on_substep_end(self, args, state, control, **kwargs): pass  # each micro-batch of a step but the last
+    def on_pre_optimizer_step(self, args, state, control, **kwargs): pass  # gradients averaged and clipped
+    def on_optimizer_step(self, args, state, control, **kwargs): pass  # before the schedule and zero_grad
     def on_step_end(self, args, state, control, **kwargs): pass
     def on_evaluate(self, args, state, control, metrics=None, **kwargs): pass
+    def on_prediction_step(self, args, state, control, **kwargs): pass  # each evaluation batch
     def on_log(self, args, state, control, logs=None, **kwargs): pass
     def on_save(self, args, state, control, **kwargs): pass
 

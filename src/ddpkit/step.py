@@ -1,7 +1,11 @@
 """One optimizer step of the Trainer over an agreed window of micro-batches.
 
-    share = accumulate(wrapped, window, filler, micro_step)   # forward and backward, all but the last no_sync
-    grad_norm = optimizer_step(optimizer, scheduler, params, max_grad_norm, precision)
+    share = accumulate(wrapped, window, filler, micro_step, device, fire)   # forward and backward, all but the
+    grad_norm = optimizer_step(optimizer, scheduler, params, max_grad_norm, precision, fire)   # last no_sync
+
+`fire(event)` runs the callbacks' events inside a step, with Transformers' names and at its moments:
+on_substep_end after each micro-batch but the last, on_pre_optimizer_step after clipping, on_optimizer_step
+after the optimizer step (before the schedule and zero_grad).
 
 A window holds this rank's micro-batches and how many every rank runs (`window.micro_steps`, the most any rank
 holds): a rank short of data runs `filler` with weight zero, so every rank launches the same all-reduces.
@@ -23,10 +27,15 @@ from .wrap import ddp_of
 from .zero_trainer import clip_grad_norm, wait_for_params
 
 MicroStep = Callable[[nn.Module, Any, float], torch.Tensor]
+Fire = Callable[[str], None]
+
+
+def _no_events(event: str) -> None:
+    pass
 
 
 def accumulate(wrapped: nn.Module, window: Window, filler: Any, micro_step: MicroStep,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, fire: Fire = _no_events) -> torch.Tensor:
     """Run the window's micro-steps; gradients are reduced over the ranks on the last one only."""
     wrapped.train()
     ddp = ddp_of(wrapped)  # None in a world of one; under torch_compile, the wrapper inside the compiled module
@@ -37,17 +46,22 @@ def accumulate(wrapped: nn.Module, window: Window, filler: Any, micro_step: Micr
         last = i == window.micro_steps - 1
         with contextlib.nullcontext() if last or ddp is None else ddp.no_sync():
             share += micro_step(wrapped, batch, 1.0 if real else 0.0)
+        if not last:
+            fire("on_substep_end")
     return share
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, params: list[nn.Parameter],
-                   max_grad_norm: float, precision: Precision) -> float:
+                   max_grad_norm: float, precision: Precision, fire: Fire = _no_events) -> float:
     """Clip (over the shards, if any), step, schedule, zero the gradients; the gradient norm before clipping."""
     precision.unscale(optimizer)
     # max_norm=inf measures without clipping (the scale is clamped to 1.0, which leaves the bits unchanged).
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(optimizer, params, limit)
-    if precision.step(optimizer):
+    fire("on_pre_optimizer_step")
+    stepped = precision.step(optimizer)
+    fire("on_optimizer_step")
+    if stepped:
         scheduler.step()  # as Transformers: a step fp16 skipped (inf/nan gradients) does not advance the schedule
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -234,9 +234,9 @@ class Trainer:
         filler = window.batches[-1] if window.batches else self._filler()
         share = step.accumulate(self.model_wrapped, window, filler,
                                 lambda model, batch, weight: self._micro_step(model, batch, window.items, weight),
-                                self.world.device)
+                                self.world.device, self._fire)
         grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
-                                        self.args.max_grad_norm, self.precision)
+                                        self.args.max_grad_norm, self.precision, self._fire)
         return share, grad_norm
 
     def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
@@ -330,6 +330,7 @@ class Trainer:
     def _evaluation_forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any, int]:
         inputs = self._prepare_inputs(batch)
         loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
+        self._fire("on_prediction_step")
         return loss, outputs, inputs, self.count_items(inputs)
 
     def save_model(self, output_dir: str | None = None) -> None:
