@@ -163,7 +163,8 @@ def reductions(world):
     gloo.pairwise = False
     torch.manual_seed(0)
     ref = _Gated()
-    copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_pairwise", "rs_gloo")}
+    copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_pairwise", "rs_gloo", "bf16")}
+    copies["bf16"].to(torch.bfloat16)  # its usage flags ride in a bfloat16 bucket: sums of 0 and 1 stay exact
     seen: dict[str, list] = {"rs_pairwise": [], "rs_gloo": []}
     kept: dict[str, dict] = {"rs_pairwise": {}, "rs_gloo": {}}  # the latest shard of each bucket, as handed over
 
@@ -175,7 +176,7 @@ def reductions(world):
         named = list(copies[key].named_parameters())
         return Reducer([p for _, p in named], [m for m, _ in named], comm, bucket_cap_mb=0.0001, **kwargs)
 
-    reducers = {"allreduce": reducer("allreduce"), "sum": reducer("sum", divisor=1.0)}
+    reducers = {"allreduce": reducer("allreduce"), "sum": reducer("sum", divisor=1.0), "bf16": reducer("bf16")}
     for key, via in (("rs_pairwise", comm), ("rs_gloo", gloo)):
         reducers[key] = reducer(key, reduction=ReduceScatter(via, on_shard=functools.partial(on_shard, key)))
     out = {"errors": []}
@@ -183,14 +184,17 @@ def reductions(world):
         x = torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(step))
         for model in [ref, *copies.values()]:
             model.zero_grad(set_to_none=True)
-        for model in copies.values():
-            model(x[2 * r:2 * r + 2], r, step).sum().backward()
+        for key, model in copies.items():
+            mine = x[2 * r:2 * r + 2]
+            model(mine.to(torch.bfloat16) if key == "bf16" else mine, r, step).sum().backward()
         (sum(ref(x[2 * k:2 * k + 2], k, step).sum() for k in range(n)) / n).backward()
-        for (name, p), q, s in zip(ref.named_parameters(), copies["allreduce"].parameters(),
-                                   copies["sum"].parameters()):
+        for (name, p), q, s, b in zip(ref.named_parameters(), copies["allreduce"].parameters(),
+                                      copies["sum"].parameters(), copies["bf16"].parameters()):
             if p.grad is None:  # no rank used it: None stays None
-                out["errors"].append((name, q.grad is None and s.grad is None))
+                out["errors"].append((name, q.grad is None and s.grad is None and b.grad is None))
                 continue
+            out["errors"].append((name + " bf16", b.grad is not None and
+                                  torch.allclose(b.grad.float(), p.grad, rtol=0.02, atol=0.02)))
             out["errors"].append((name, (p.grad - q.grad).abs().max().item() <= 1e-6))
             out["errors"].append((name + " sum", (s.grad - n * q.grad).abs().max().item() <= 1e-6))
         averaged = {i: p.grad for i, p in enumerate(copies["allreduce"].parameters())}
@@ -242,9 +246,11 @@ def test_reductions_against_the_all_reduce(world_size):
     for res in run_world(reductions, world_size):
         bad = [name for name, ok in res["errors"] if not ok]
         assert not bad, bad
-        assert all(total == numel for total, numel in res["storage"]), "usage counts ride in a bucket"
-        # One usage collective per reducer per synchronised backward, named after it.
-        assert res["usage"] == [f"parameter usage, backward {k}" for k in (1, 2, 3) for _ in range(4)], res["usage"]
+        # The all-reduce's usage flags ride after its last bucket's gradients, one per parameter, and nowhere else.
+        assert [total - numel for total, numel in res["storage"]] == [0] * (len(res["storage"]) - 1) + [5], res  # 5 params
+        # A reduce-scatter cannot carry them: one usage collective per such reducer per synchronised backward,
+        # named after it; none for the two all-reduce reducers.
+        assert res["usage"] == [f"parameter usage, backward {k}" for k in (1, 2, 3) for _ in range(2)], res["usage"]
         for key in ("rs_pairwise", "rs_gloo"):
             calls = res["seen"][key]
             per_window = len({index for index, _ in calls})

@@ -194,7 +194,7 @@ class Bucket:
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], comm: Comm, reduction: Reduction,
-                 is_last: bool, as_view: bool):
+                 is_last: bool, as_view: bool, usage_numel: int = 0):
         self.layout = layout
         self.index = layout.index
         self.members = list(layout.members)
@@ -203,6 +203,7 @@ class Bucket:
         self.comm = comm
         self.is_last = is_last
         self.as_view = as_view  # gradient_as_bucket_view: the parameters' .grad become views into the storage
+        self.usage_numel = usage_numel  # the usage flags after the padding, when the reduction carries them here
         self._storage: torch.Tensor | None = None
         self._public: GradBucket | None = None
 
@@ -211,7 +212,7 @@ class Bucket:
         layout = self.layout
         # empty, not zeros: every fill writes each parameter's view (a copy, a division into it or zeros); only
         # the shard padding past the gradients is never written, and it must stay zero for the reduction.
-        storage = torch.empty(layout.padded_numel, dtype=layout.dtype, device=layout.device)
+        storage = torch.empty(layout.padded_numel + self.usage_numel, dtype=layout.dtype, device=layout.device)
         storage[layout.numel:].zero_()
         self._public = GradBucket(layout.index, self.params, storage[:layout.numel], self.comm, self.is_last)
         self._storage = storage
@@ -221,6 +222,11 @@ class Bucket:
         if self._storage is None:
             self._allocate()
         return self._storage
+
+    @property
+    def usage(self) -> torch.Tensor:
+        """Where the usage flags lie in the storage (empty unless this bucket carries them), one per parameter."""
+        return self.storage[self.layout.padded_numel:]
 
     @property
     def flat(self) -> torch.Tensor:

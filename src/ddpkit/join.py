@@ -18,9 +18,10 @@ forward inside the context, a rank still training issues, before its module runs
                               known in advance, and rank 0's buffers go stale once it has.
     3. backward synchronises  all-reduce of require_backward_grad_sync (a rank that ran out adds a zero)
 
-and its backward issues the buckets and the usage counts (ddpkit.reducer). A rank that ran out runs
-`DDPJoinHook.main_hook` once per iteration of the others: the same collectives, under the same names (so that the
-stall inspector sees one sequence on every rank), with zeros, its own .grad left alone (as torch leaves it).
+and its backward issues the buckets and the usage counts (in the last bucket, or on their own: ddpkit.reducer). A
+rank that ran out runs `DDPJoinHook.main_hook` once per iteration of the others: the same collectives, under the
+same names (so that the stall inspector sees one sequence on every rank), with zeros, its own .grad left alone (as
+torch leaves it).
 
 Gradients: each rank divides its bucket by the divisor and the all-reduce sums the buckets; ranks that ran out add
 zeros. So with divide_by_initial_world_size=True (the divisor stays the world size) a gradient is the sum over the
@@ -148,18 +149,20 @@ class DDPJoinHook(JoinHook):
             # Zeroed buckets of the same layouts that are no parameter's .grad (gradient_as_bucket_view would
             # otherwise hand this rank the others' gradients), reduced the same way (a comm hook runs on them).
             self.stand_ins = [Bucket(b.layout, reducer.params, reducer.comm, b.reduction, b.public.is_last(),
-                                     as_view=False) for b in reducer.buckets]
+                                     as_view=False, usage_numel=b.usage_numel) for b in reducer.buckets]
         with torch.no_grad():
             handles = []
             for bucket in self.stand_ins:
-                bucket.storage.zero_()
+                bucket.storage.zero_()  # this rank used no parameter: zero usage flags too, where they ride
                 handles.append(bucket.launch(f"bucket {bucket.index}, backward {number}"))
-            # This rank used no parameter: zeros beside the others' usage counts.
-            usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
-            usage_work = reducer.comm.all_reduce(usage, f"parameter usage, backward {number}", async_op=True)
+            usage_work = None
+            if not self.stand_ins[-1].usage_numel:  # the usage counts as their own collective: zeros beside the others'
+                usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
+                usage_work = reducer.comm.all_reduce(usage, f"parameter usage, backward {number}", async_op=True)
             for bucket, handle in zip(self.stand_ins, handles):
                 bucket.wait(handle)
-            reducer.comm.wait(usage_work)
+            if usage_work is not None:
+                reducer.comm.wait(usage_work)
         reducer.windows += 1
 
     def post_hook(self, is_last_joiner: bool) -> None:

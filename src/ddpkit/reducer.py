@@ -16,8 +16,8 @@ Read top-down, the life of one backward pass (a `Window`):
    in the same order on every rank.
 3. Launch. The bucket (ddpkit.bucket) copies its gradients into its flat storage, divided by the divisor (the
    world size unless told otherwise), and hands it to the reduction (ddpkit.reduction: an all-reduce, a comm
-   hook, or a reduce-scatter into this rank's shard) asynchronously while backward goes on. After the last
-   bucket, the per-parameter usage counts go out as their own small collective.
+   hook, or a reduce-scatter into this rank's shard) asynchronously while backward goes on. The per-parameter
+   usage flags go with the last bucket: in its all-reduce, or as their own small collective right after it.
 4. Finalize. Buckets that never filled (their parameters got no gradient on this rank) are launched with
    whatever gradient their parameters hold (zeros for none), every bucket is awaited and written back. A
    parameter no rank used keeps its gradient as it was (None stays None); one used by some ranks gets the
@@ -266,29 +266,37 @@ class Reducer:
         # The copy-in span holds the collective's issue too: the timeline reads the launch from it.
         with torch.no_grad(), self.recorder.span(copy_in(bucket.index), "copy", {"bucket": bucket.index}):
             bucket.fill(window.filled, window.divisor if self.reduction.divides else None)
+            if bucket.usage_numel:
+                window.usage_counts = self._write_usage(bucket.usage)
             window.inflight[bucket.index] = bucket.launch(f"bucket {bucket.index}, backward {window.number}")
-        if window.next_launch == len(self.buckets):
+        if window.next_launch == len(self.buckets) and not bucket.usage_numel:
             self._launch_usage(window)
+
+    def _write_usage(self, into: torch.Tensor) -> torch.Tensor:
+        """This rank's usage flags (1 for a parameter used since the last synchronised backward, else 0) into
+        `into`, one element per parameter. Summed over the ranks, an element is above zero exactly where some
+        rank used the parameter, in any floating dtype: sums of zeros and ones never round a one away."""
+        if self.uses.count == len(self.params):
+            return into.fill_(1)
+        return into.copy_(torch.tensor(self.uses.flags, dtype=into.dtype))
 
     def _launch_usage(self, window: Window) -> None:
         """Sum over the ranks, per parameter, whether it was used since the last synchronised backward.
 
-        Its own collective (a reduce-scatter shard could not carry the counts), issued right after the last
-        bucket: launches go in index order, so every use of this window is known here, and it is in the same
-        place on every rank. It is never skipped: only a collective every rank skips may be skipped, and whether
-        some rank left a parameter unused is known to that rank alone. Its cost is one message of 4 bytes per
-        parameter that runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it
-        behind), so finalize's wait for it is mostly covered by the wait for that bucket; a rank that used every
-        parameter does not even read the counts. (Not waiting at all there is no option: a collective left
-        unwaited at the last step can be cut off when the process group is destroyed, seen in testing.)
+        The flags are written when the last bucket launches: launches go in index order, so every use of this
+        window is known then, and it is the same place on every rank. An all-reduce carries them in that
+        bucket's collective (ddpkit.reduction); a reduce-scatter or a comm hook cannot, so they get this
+        collective of their own, issued right after that bucket. It is never skipped: only a collective every
+        rank skips may be skipped, and whether some rank left a parameter unused is known to that rank alone.
+        It runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it behind), so
+        finalize's wait for it is mostly covered by the wait for that bucket. (Not waiting at all there is no
+        option: a collective left unwaited at the last step can be cut off when the process group is destroyed,
+        seen in testing.)
         """
         device = self.params[0].device  # NCCL needs the counts on the device
-        if self.uses.count == len(self.params):
-            window.usage_counts = torch.ones(len(self.params), dtype=torch.int32, device=device)
-        else:
-            window.usage_counts = torch.tensor(self.uses.flags, dtype=torch.int32, device=device)
-        window.usage = self.comm.all_reduce(window.usage_counts, f"parameter usage, backward {window.number}",
-                                            async_op=True)
+        counts = self._write_usage(torch.empty(len(self.params), dtype=torch.int32, device=device))
+        window.usage_counts = counts
+        window.usage = self.comm.all_reduce(counts, f"parameter usage, backward {window.number}", async_op=True)
 
     # -- 4. finalize ---------------------------------------------------------------------------------------------
     def _finalize(self, window: Window) -> None:
@@ -303,8 +311,9 @@ class Reducer:
             self._launch(window, bucket)
         results = [bucket.wait(handle) for bucket, handle in zip(self.buckets, window.inflight)]
         window.inflight = [None] * len(self.buckets)
-        self.comm.wait(window.usage)
-        window.usage = None
+        if window.usage is not None:
+            self.comm.wait(window.usage)
+            window.usage = None
         everywhere_used = None
         if self.uses.count < len(self.params):  # otherwise every parameter was used here, so somewhere
             everywhere_used = (window.usage_counts > 0).tolist()
@@ -334,8 +343,12 @@ class Reducer:
         self.expected = [max(count, 1) for count in window.fires]
         plan = plan_buckets(self.specs, order, self.cap_bytes, self.first_cap_bytes)
         layouts = layout_buckets(plan, self.specs, self.reduction.shards)
-        self.buckets = [Bucket(layout, self.params, self.comm, self.reduction, layout.index == len(plan) - 1,
-                               self.gradient_as_bucket_view) for layout in layouts]
+        last = layouts[-1]
+        # Complex flags would not compare with zero; such a bucket leaves them to their own collective.
+        carried = len(self.params) if self.reduction.carries_usage and not last.dtype.is_complex else 0
+        self.buckets = [Bucket(layout, self.params, self.comm, self.reduction, layout is last,
+                               self.gradient_as_bucket_view, carried if layout is last else 0)
+                        for layout in layouts]
         for layout in layouts:
             for position, i in enumerate(layout.members):
                 self.bucket_of[i] = layout.index
