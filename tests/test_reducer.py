@@ -240,17 +240,18 @@ def reductions(world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reductions_against_the_all_reduce(world_size):
     """Reduce-scatter shards (comm's pairwise one and gloo's own collective) hold exactly this rank's slice
-    of the average; divisor=1 sums; usage counts travel on their own and a parameter no rank used stays None."""
+    of the average; divisor=1 sums; the usage flags travel with the last bucket wherever the collective can
+    carry them, and a parameter no rank used stays None."""
     from spawn import run_world
 
     for res in run_world(reductions, world_size):
         bad = [name for name, ok in res["errors"] if not ok]
         assert not bad, bad
-        # The all-reduce's usage flags ride after its last bucket's gradients, one per parameter, and nowhere else.
-        assert [total - numel for total, numel in res["storage"]] == [0] * (len(res["storage"]) - 1) + [5], res  # 5 params
-        # A reduce-scatter cannot carry them: one usage collective per such reducer per synchronised backward,
-        # named after it; none for the two all-reduce reducers.
-        assert res["usage"] == [f"parameter usage, backward {k}" for k in (1, 2, 3) for _ in range(2)], res["usage"]
+        # The all-reduce's usage flags ride after its last bucket's gradients, one per parameter (5), nowhere else.
+        assert [total - numel for total, numel in res["storage"]] == [0] * (len(res["storage"]) - 1) + [5], res
+        # The pairwise reduce-scatter sends them beside the shards; gloo's own cannot carry them: one usage
+        # collective per synchronised backward, for that reducer alone, named after it.
+        assert res["usage"] == [f"parameter usage, backward {k}" for k in (1, 2, 3)], res["usage"]
         for key in ("rs_pairwise", "rs_gloo"):
             calls = res["seen"][key]
             per_window = len({index for index, _ in calls})

@@ -101,9 +101,12 @@ class Comm(Observed):
         return work.work.get_future().then(lambda fut: fut.value()[0])
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, what: str = "",
-                              async_op: bool = False, op: dist.ReduceOp = dist.ReduceOp.SUM):
+                              async_op: bool = False, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                              rider: torch.Tensor | None = None):
         """Sum (by default) the flat `input` over the group and leave this rank's equal share of the result,
-        elements [rank * n, (rank + 1) * n) with n = output.numel(), in `output`. async_op as in all_reduce."""
+        elements [rank * n, (rank + 1) * n) with n = output.numel(), in `output`. async_op as in all_reduce.
+        rider: a small tensor summed whole over the group in place, in the same collective (the point-to-point
+        path only: the caller checks `pairwise` and the device; elsewhere it is an error)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, it needs output's "
                              f"{output.numel()} times the world size {self.world_size}")
@@ -112,9 +115,12 @@ class Comm(Observed):
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
         if self._pairs(output, input) and op == dist.ReduceOp.SUM:
-            plan = pairwise.reduce_scatter(output.view(-1), input.view(-1), self.rank, self.world_size)
+            plan = pairwise.reduce_scatter(output.view(-1), input.view(-1), self.rank, self.world_size, rider)
             exchange = self._exchange(record, *plan)
             return exchange if async_op else self.wait(exchange)
+        if rider is not None:
+            raise ValueError("reduce_scatter_tensor: a rider travels only with the point-to-point reduce-scatter "
+                             "(gloo, CPU tensors of one dtype, contiguous); all-reduce it on its own instead")
         # torch 2.13 renamed it reduce_scatter_single; older versions have only reduce_scatter_tensor.
         collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         if async_op:

@@ -27,8 +27,10 @@ Plan = tuple[list[Message], list[Message], "Callable[[], None] | None"]
 DIRECT_PIECES = 16
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, rank: int, size: int) -> Plan:
-    """output (flat, n) = the sum over ranks of part `rank` of every rank's flat input (size * n)."""
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, rank: int, size: int,
+                   rider: torch.Tensor | None = None) -> Plan:
+    """output (flat, n) = the sum over ranks of part `rank` of every rank's flat input (size * n). rider: a small
+    tensor every peer also gets whole (message 1), summed over the ranks in place once all are in."""
     n = output.numel()
     parts = input.view(size, n)  # parts[r]: what rank r keeps the sum of
     peers = [r for r in range(size) if r != rank]
@@ -38,7 +40,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, rank: int, size: i
     first = output.new_empty(n) if in_place else output
     into = {peers[0]: first, **dict(zip(peers[1:], input.new_empty((size - 2, n))))}
 
+    riders = dict(zip(peers, rider.new_empty((size - 1, rider.numel())))) if rider is not None else {}
+
     def total() -> None:
+        for other in riders.values():
+            rider.add_(other.view_as(rider))
         # The sum in rank order (s0 + s1) + s2 + ..., whichever rank computes it. `first` holds rank peers[0]'s
         # part, rank 0's or 1's, and a + b == b + a exactly: adding the other of the two first gives s0 + s1.
         # So every element is the sum a one-process loop over the ranks computes.
@@ -49,7 +55,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, rank: int, size: i
         if first is not output:
             output.copy_(first)
 
-    return [(r, parts[r], 0) for r in peers], [(r, t, 0) for r, t in into.items()], total
+    sends = [(r, parts[r], 0) for r in peers] + [(r, rider, 1) for r in riders]
+    return sends, [(r, t, 0) for r, t in into.items()] + [(r, t, 1) for r, t in riders.items()], total
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, rank: int, size: int) -> Plan:

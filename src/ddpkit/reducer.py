@@ -284,9 +284,9 @@ class Reducer:
         """Sum over the ranks, per parameter, whether it was used since the last synchronised backward.
 
         The flags are written when the last bucket launches: launches go in index order, so every use of this
-        window is known then, and it is the same place on every rank. An all-reduce carries them in that
-        bucket's collective (ddpkit.reduction); a reduce-scatter or a comm hook cannot, so they get this
-        collective of their own, issued right after that bucket. It is never skipped: only a collective every
+        window is known then, and it is the same place on every rank. Most reductions carry them in that
+        bucket's collective (ddpkit.reduction); where one cannot (a comm hook, NCCL's reduce-scatter), they get
+        this collective of their own, issued right after that bucket. It is never skipped: only a collective every
         rank skips may be skipped, and whether some rank left a parameter unused is known to that rank alone.
         It runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it behind), so
         finalize's wait for it is mostly covered by the wait for that bucket. (Not waiting at all there is no
@@ -317,6 +317,7 @@ class Reducer:
         everywhere_used = None
         if self.uses.count < len(self.params):  # otherwise every parameter was used here, so somewhere
             everywhere_used = (window.usage_counts > 0).tolist()
+        window.usage_counts = None  # a view into the last bucket's storage, which a reduce-scatter releases
         with torch.no_grad():
             for bucket, result in zip(self.buckets, results):
                 bucket.write_back(result, everywhere_used)
@@ -344,8 +345,7 @@ class Reducer:
         plan = plan_buckets(self.specs, order, self.cap_bytes, self.first_cap_bytes)
         layouts = layout_buckets(plan, self.specs, self.reduction.shards)
         last = layouts[-1]
-        # Complex flags would not compare with zero; such a bucket leaves them to their own collective.
-        carried = len(self.params) if self.reduction.carries_usage and not last.dtype.is_complex else 0
+        carried = len(self.params) if self.reduction.carries_usage(last) else 0
         self.buckets = [Bucket(layout, self.params, self.comm, self.reduction, layout is last,
                                self.gradient_as_bucket_view, carried if layout is last else 0)
                         for layout in layouts]

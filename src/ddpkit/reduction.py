@@ -5,8 +5,9 @@ every rank) and the divisor; a `Reduction` decides only the collective and the w
 
     shards    the bucket's storage is padded to a multiple of this and split into that many equal flat shards
     divides   whether the bucket is divided by the divisor while it is filled (a comm hook divides itself)
-    carries_usage  whether the per-parameter usage flags travel in the last bucket's collective (after its
-              gradients and padding, where an all-reduce sums them); otherwise they are their own collective
+    carries_usage(layout)  whether the per-parameter usage flags can travel in the collective of the bucket laid
+              out so (after its gradients and padding: `Bucket.usage`), summed over the ranks there; the reducer
+              puts them in the last bucket's when they can, else they are a collective of their own
     start(bucket, what) -> handle            issue the asynchronous collective on bucket.storage
     wait(bucket, handle) -> Tensor | None    wait for it; a tensor when the result is not in the storage
     finish(bucket, result, everywhere_used)  after every bucket was awaited: put the result where it belongs
@@ -36,7 +37,9 @@ class Reduction:
 
     shards = 1
     divides = True
-    carries_usage = False
+
+    def carries_usage(self, layout: Any) -> bool:
+        return False
 
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -57,11 +60,12 @@ class AllReduce(Reduction):
 
     It sums the usage flags too, in the last bucket's collective: a collective of its own for them cost about
     3 ms of CPU a step on 2 gloo ranks (the bench transformer: 68.6 ms of CPU a step against torch DDP's 66.1;
-    66.5 without it), for a few bytes. A shard cannot carry them (each rank receives only its own part), nor can
-    a comm hook's bucket (the hook reduces the gradients it is shown), so those keep the collective of their own.
+    66.5 without it), for a few bytes. A comm hook cannot carry them (it reduces the gradients it is shown), so
+    its buckets keep the collective of their own. (Complex flags would not compare with zero: those too.)
     """
 
-    carries_usage = True
+    def carries_usage(self, layout: Any) -> bool:
+        return not layout.dtype.is_complex
 
     def start(self, bucket: Bucket, what: str) -> Any:
         return self.comm.all_reduce(bucket.storage, what, async_op=True)
@@ -75,7 +79,9 @@ class CommHookReduction(AllReduce):
     gets the undivided local sums and returns the average."""
 
     divides = False
-    carries_usage = False
+
+    def carries_usage(self, layout: Any) -> bool:
+        return False
 
     def __init__(self, comm: Comm, state: Any, hook: CommHook):
         super().__init__(comm)
@@ -113,6 +119,9 @@ class ReduceScatter(Reduction):
 
     The collective is `Comm.reduce_scatter_tensor`: native on NCCL, and on gloo (whose own is slower than its
     all-reduce) composed from point-to-point sends, half the bytes of an all-reduce received (see ddpkit.comm).
+    A shard cannot carry the usage flags (each rank receives only its own part of the bucket); the composed one
+    sends them to every peer beside the shards, in the same collective (`rider`), and the native one leaves
+    them to a collective of their own.
     """
 
     def __init__(self, comm: Comm, on_shard: OnShard | None = None):
@@ -121,10 +130,16 @@ class ReduceScatter(Reduction):
         self.on_shard = on_shard
         self._outputs: dict[int, torch.Tensor] = {}  # bucket index -> its shard, from launch until finish
 
+    def carries_usage(self, layout: Any) -> bool:
+        return self.comm.pairwise and layout.device.type == "cpu" and not layout.dtype.is_complex
+
     def start(self, bucket: Bucket, what: str) -> Any:
-        lo, hi = bucket.layout.shard_range(self.comm.rank)
+        layout = bucket.layout
+        lo, hi = layout.shard_range(self.comm.rank)
         out = self._outputs[bucket.index] = bucket.storage.new_empty(hi - lo)  # handed over in finish: new
-        return self.comm.reduce_scatter_tensor(out, bucket.storage, what, async_op=True)
+        gradients = bucket.storage[:layout.padded_numel]
+        rider = bucket.usage if bucket.usage_numel else None
+        return self.comm.reduce_scatter_tensor(out, gradients, what, async_op=True, rider=rider)
 
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
         shard = self._outputs.pop(bucket.index)
