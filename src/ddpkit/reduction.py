@@ -38,11 +38,11 @@ class Reduction:
     shards = 1
     divides = True
 
-    def carries_usage(self, layout: Any) -> bool:
-        return False
-
     def __init__(self, comm: Comm):
         self.comm = comm
+
+    def carries_usage(self, layout: Any) -> bool:
+        return False
 
     def start(self, bucket: Bucket, what: str) -> Any:
         raise NotImplementedError
@@ -80,12 +80,12 @@ class CommHookReduction(AllReduce):
 
     divides = False
 
-    def carries_usage(self, layout: Any) -> bool:
-        return False
-
     def __init__(self, comm: Comm, state: Any, hook: CommHook):
         super().__init__(comm)
         self.state, self.hook = state, hook
+
+    def carries_usage(self, layout: Any) -> bool:
+        return False
 
     def start(self, bucket: Bucket, what: str) -> Any:
         record = self.comm.note("comm_hook", what, bucket.flat.numel() * bucket.flat.element_size())
