@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -41,10 +42,38 @@ def _accelerate(out: Path, *extra: str) -> list[dict]:
     return _ranks_report(command, out, timeout_s=120)
 
 
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is a dev extra")
-def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
-    ours = _accelerate(tmp_path / "ours")
-    theirs = _accelerate(tmp_path / "torch", "--torch")
+def _torchrun(script: str, out: Path, *extra: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), script, str(out), *extra]
+    return _ranks_report(command, out, timeout_s=240)
+
+
+HAVE_ACCELERATE = shutil.which("accelerate") is not None
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="module")
+def swap_runs(tmp_path_factory):
+    """Each swap script launched twice, with ours and with torch's wrapper: by run name, the future of every
+    rank's report (its result() raises the launch's failure in the test that reads it). Two launches at a time:
+    each spends much of its time on one core (the launcher's imports, then its workers'), so a second one fills
+    the other; each keeps its own deadline and is killed at it."""
+    root = tmp_path_factory.mktemp("swap")
+    runs = {}
+    if HAVE_ACCELERATE:
+        runs["accelerate ours"] = lambda: _accelerate(root / "accelerate-ours")
+        runs["accelerate torch"] = lambda: _accelerate(root / "accelerate-torch", "--torch")
+    if HAVE_TRANSFORMERS:
+        runs["transformers ours"] = lambda: _torchrun(HF_SCRIPT, root / "hf-ours")
+        runs["transformers torch"] = lambda: _torchrun(HF_SCRIPT, root / "hf-torch", "--torch")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(fn) for name, fn in runs.items()}
+    return futures  # all done: leaving the pool waited for them
+
+
+@pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is a dev extra")
+def test_accelerate_prepare_builds_ours_and_matches_torch(swap_runs):
+    ours, theirs = swap_runs["accelerate ours"].result(), swap_runs["accelerate torch"].result()
     assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
     assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["unwrapped_is_inner"] and r["world"] == 2 for r in ours)
@@ -53,17 +82,10 @@ def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
         assert max(abs(a - b) for a, b in zip(mine, reference)) < 1e-6
 
 
-def _torchrun(script: str, out: Path, *extra: str) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), script, str(out), *extra]
-    return _ranks_report(command, out, timeout_s=240)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a dev extra")
-def test_transformers_trainer_trains_with_ours_as_with_torchs(tmp_path):
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is a dev extra")
+def test_transformers_trainer_trains_with_ours_as_with_torchs(swap_runs):
     """transformers.Trainer on 2 gloo ranks, gradient accumulation under no_sync, the ddp_* fields passed on."""
-    ours = _torchrun(HF_SCRIPT, tmp_path / "ours")
-    theirs = _torchrun(HF_SCRIPT, tmp_path / "torch", "--torch")
+    ours, theirs = swap_runs["transformers ours"].result(), swap_runs["transformers torch"].result()
     assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
     assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["world"] == 2 for r in ours + theirs)
