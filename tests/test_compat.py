@@ -39,11 +39,12 @@ def _reports(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _accelerate(out: Path, *extra: str) -> list[dict]:
+def _accelerate(out: Path) -> dict[str, list[dict]]:
+    """One accelerate launch of SCRIPT, which trains with torch's wrapper and then with ours: both reports."""
     _launch(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-             SCRIPT, str(out), *extra], timeout_s=120)
-    return _reports(out)
+             SCRIPT, str(out)], timeout_s=120)
+    return {"ours": _reports(out / "ours"), "torch": _reports(out / "torch")}
 
 
 def _transformers(out: Path) -> dict[str, list[dict]]:
@@ -59,16 +60,14 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 @pytest.fixture(scope="module")
 def swap_runs(tmp_path_factory):
-    """accelerate's script launched twice, with ours and with torch's wrapper, and the Transformers script once
-    (it trains with both): by run name, the future of the ranks' reports (its result() raises the launch's
-    failure in the test that reads it). Two launches at a time: each spends much of its time on one core (the
-    launcher's imports, then its workers'), so a second one fills the other; each keeps its own deadline and is
-    killed at it."""
+    """Each swap script launched once (it trains with torch's wrapper, then with ours): by run name, the future
+    of both runs' reports (its result() raises the launch's failure in the test that reads it). The two
+    launches at the same time: each spends much of its time on one core (the launcher's imports, then its
+    workers'), so the other fills the second; each keeps its own deadline and is killed at it."""
     root = tmp_path_factory.mktemp("swap")
     runs = {}
     if HAVE_ACCELERATE:
-        runs["accelerate ours"] = lambda: _accelerate(root / "accelerate-ours")
-        runs["accelerate torch"] = lambda: _accelerate(root / "accelerate-torch", "--torch")
+        runs["accelerate"] = lambda: _accelerate(root / "accelerate")
     if HAVE_TRANSFORMERS:
         runs["transformers"] = lambda: _transformers(root / "transformers")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -78,7 +77,8 @@ def swap_runs(tmp_path_factory):
 
 @pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is a dev extra")
 def test_accelerate_prepare_builds_ours_and_matches_torch(swap_runs):
-    ours, theirs = swap_runs["accelerate ours"].result(), swap_runs["accelerate torch"].result()
+    reports = swap_runs["accelerate"].result()
+    ours, theirs = reports["ours"], reports["torch"]
     assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
     assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["unwrapped_is_inner"] and r["world"] == 2 for r in ours)
