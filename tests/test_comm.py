@@ -3,6 +3,7 @@ are reported finished when they complete, not when someone waits."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -227,31 +228,42 @@ def test_pairwise_reduce_scatter_and_all_gather_are_one_process_sums():
                                         ("began", s - 1), ("ended", s - 1, None), ("finished", s - 1, True)]
 
 
-def _missing_peer(world):
+def _stay_until(path: str, limit_s: float = 60.0) -> None:
+    """Sleep until `path` exists (the other rank is done), for at most `limit_s`."""
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _missing_peer(world, done_flag):
     from ddpkit.comm import Comm
 
     if world.rank == 1:
-        time.sleep(6)  # never joins the reduce-scatter; stays up past rank 0's timeout
+        _stay_until(done_flag)  # never joins the reduce-scatter; stays up until rank 0 has timed out
         return None
-    started = time.monotonic()
-    comm = Comm.for_group()
-    pending = comm.reduce_scatter_tensor(torch.empty(4), torch.ones(8), "alone", async_op=True)
     try:
-        comm.wait(pending)
-    except Exception as exc:  # noqa: BLE001 - the type and text are the result
-        waited = time.monotonic() - started
+        started = time.monotonic()
+        comm = Comm.for_group()
+        pending = comm.reduce_scatter_tensor(torch.empty(4), torch.ones(8), "alone", async_op=True)
         try:
-            comm.wait(pending)  # waited again: still failed, not an empty success with half a sum
-            again = None
-        except Exception as second:  # noqa: BLE001
-            again = str(second)[:200]
-        return isinstance(exc, RuntimeError), again, str(exc)[:200], waited
-    return None
+            comm.wait(pending)
+        except Exception as exc:  # noqa: BLE001 - the type and text are the result
+            waited = time.monotonic() - started
+            try:
+                comm.wait(pending)  # waited again: still failed, not an empty success with half a sum
+                again = None
+            except Exception as second:  # noqa: BLE001
+                again = str(second)[:200]
+            return isinstance(exc, RuntimeError), again, str(exc)[:200], waited
+        return None
+    finally:
+        open(done_flag, "w").close()
 
 
-def test_a_pairwise_collective_without_its_peer_raises_at_the_timeout():
+def test_a_pairwise_collective_without_its_peer_raises_at_the_timeout(tmp_path):
     """Never a hang: the point-to-point receives obey the process group's timeout."""
-    rank0, _ = run_world(_missing_peer, 2, collective_timeout_s=2.0, stall_seconds=0)
+    rank0, _ = run_world(_missing_peer, 2, args=(str(tmp_path / "rank0-done"),), collective_timeout_s=2.0,
+                         stall_seconds=0)
     assert rank0 is not None, "the reduce-scatter returned without its peer"
     runtime_error, again, text, waited = rank0  # torch's collectives raise RuntimeErrors (DistBackendError) too
     assert runtime_error and "Timed out" in text and 1.5 < waited < 5.5, rank0

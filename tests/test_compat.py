@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -20,8 +21,8 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
 HF_SCRIPT = str(Path(__file__).parent / "scripts" / "hf_trainer_swap.py")
 
 
-def _ranks_report(command: list[str], out: Path, timeout_s: float) -> list[dict]:
-    """Run a 2-rank launch in its own session (killed at the deadline) and read each rank's OUT/rank<r>.json."""
+def _launch(command: list[str], timeout_s: float) -> None:
+    """Run a 2-rank launch in its own session (killed at the deadline); it must exit 0."""
     proc = subprocess.Popen(command, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -31,20 +32,53 @@ def _ranks_report(command: list[str], out: Path, timeout_s: float) -> list[dict]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
+
+
+def _reports(out: Path) -> list[dict]:
+    """Each rank's OUT/rank<r>.json."""
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _accelerate(out: Path, *extra: str) -> list[dict]:
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               SCRIPT, str(out), *extra]
-    return _ranks_report(command, out, timeout_s=120)
+def _accelerate(out: Path) -> dict[str, list[dict]]:
+    """One accelerate launch of SCRIPT, which trains with torch's wrapper and then with ours: both reports."""
+    _launch(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+             SCRIPT, str(out)], timeout_s=120)
+    return {"ours": _reports(out / "ours"), "torch": _reports(out / "torch")}
 
 
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is a dev extra")
-def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
-    ours = _accelerate(tmp_path / "ours")
-    theirs = _accelerate(tmp_path / "torch", "--torch")
+def _transformers(out: Path) -> dict[str, list[dict]]:
+    """One torchrun launch of HF_SCRIPT, which trains with torch's wrapper and then with ours: both reports."""
+    _launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+             str(free_port()), HF_SCRIPT, str(out)], timeout_s=240)
+    return {"ours": _reports(out / "ours"), "torch": _reports(out / "torch")}
+
+
+HAVE_ACCELERATE = shutil.which("accelerate") is not None
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="module")
+def swap_runs(tmp_path_factory):
+    """Each swap script launched once (it trains with torch's wrapper, then with ours): by run name, the future
+    of both runs' reports (its result() raises the launch's failure in the test that reads it). The two
+    launches at the same time: each spends much of its time on one core (the launcher's imports, then its
+    workers'), so the other fills the second; each keeps its own deadline and is killed at it."""
+    root = tmp_path_factory.mktemp("swap")
+    runs = {}
+    if HAVE_ACCELERATE:
+        runs["accelerate"] = lambda: _accelerate(root / "accelerate")
+    if HAVE_TRANSFORMERS:
+        runs["transformers"] = lambda: _transformers(root / "transformers")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(fn) for name, fn in runs.items()}
+    return futures  # all done: leaving the pool waited for them
+
+
+@pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is a dev extra")
+def test_accelerate_prepare_builds_ours_and_matches_torch(swap_runs):
+    reports = swap_runs["accelerate"].result()
+    ours, theirs = reports["ours"], reports["torch"]
     assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
     assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["unwrapped_is_inner"] and r["world"] == 2 for r in ours)
@@ -53,17 +87,11 @@ def test_accelerate_prepare_builds_ours_and_matches_torch(tmp_path):
         assert max(abs(a - b) for a, b in zip(mine, reference)) < 1e-6
 
 
-def _torchrun(script: str, out: Path, *extra: str) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), script, str(out), *extra]
-    return _ranks_report(command, out, timeout_s=240)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is a dev extra")
-def test_transformers_trainer_trains_with_ours_as_with_torchs(tmp_path):
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is a dev extra")
+def test_transformers_trainer_trains_with_ours_as_with_torchs(swap_runs):
     """transformers.Trainer on 2 gloo ranks, gradient accumulation under no_sync, the ddp_* fields passed on."""
-    ours = _torchrun(HF_SCRIPT, tmp_path / "ours")
-    theirs = _torchrun(HF_SCRIPT, tmp_path / "torch", "--torch")
+    reports = swap_runs["transformers"].result()
+    ours, theirs = reports["ours"], reports["torch"]
     assert ours[0]["wrapper"] == "ddpkit.ddp.DistributedDataParallel"
     assert theirs[0]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["world"] == 2 for r in ours + theirs)

@@ -7,6 +7,7 @@ logging every 3, evaluating every 6, rank 1 printing a line a step) under `ddpki
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import io
 import os
@@ -19,6 +20,8 @@ import sys
 import termios
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import clean_env, reap
 from ddpkit.console import Console
@@ -140,8 +143,28 @@ def _rows_have_one_prefix(rows: list[str]) -> None:
         assert re.match(r"^\[rank[01]\]: ", row) and row.count("[rank") == 1, row
 
 
-def test_under_ddpkit_launch_in_a_terminal_the_bar_redraws_in_place(tmp_path):
-    rc, raw = run_in_terminal([*LAUNCH, SCRIPT, "--output_dir", str(tmp_path)])
+@pytest.fixture(scope="module")
+def console_runs(tmp_path_factory):
+    """The script's five runs, by name: the future of each (status, output); result() raises a run's failure
+    (its deadline passed) in the test that reads it. Two at a time: every run sleeps 0.15 s a step and spends
+    seconds on one core importing, so a second run fills the other core."""
+    root = tmp_path_factory.mktemp("console")
+    runs = {
+        "launch tty": lambda: run_in_terminal([*LAUNCH, SCRIPT, "--output_dir", str(root / "launch-tty")]),
+        "launch pipe": lambda: run_into_pipe([*LAUNCH, SCRIPT, "--output_dir", str(root / "launch-pipe"),
+                                              "--disable_tqdm", "false"]),
+        "launch crash": lambda: run_into_pipe([*LAUNCH, SCRIPT, "--output_dir", str(root / "crash"),
+                                               "--crash_at_step", "4"]),
+        "python tty": lambda: run_in_terminal([sys.executable, SCRIPT, "--output_dir", str(root / "tty")]),
+        "python pipe": lambda: run_into_pipe([sys.executable, SCRIPT, "--output_dir", str(root / "pipe")]),
+    }
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(fn) for name, fn in runs.items()}
+    return futures  # all done: leaving the pool waited for them
+
+
+def test_under_ddpkit_launch_in_a_terminal_the_bar_redraws_in_place(console_runs):
+    rc, raw = console_runs["launch tty"].result()
     rows = screen(raw)
     print("\n".join(rows))
     assert rc == 0, raw
@@ -159,8 +182,8 @@ def test_under_ddpkit_launch_in_a_terminal_the_bar_redraws_in_place(tmp_path):
     assert rows.index(bars[0]) > max(rows.index(row) for row in evals)
 
 
-def test_under_ddpkit_launch_into_a_pipe_the_bar_writes_a_line_per_log_and_a_traceback_one_prefix(tmp_path):
-    rc, out = run_into_pipe([*LAUNCH, SCRIPT, "--output_dir", str(tmp_path), "--disable_tqdm", "false"])
+def test_under_ddpkit_launch_into_a_pipe_the_bar_writes_a_line_per_log_and_a_traceback_one_prefix(console_runs):
+    rc, out = console_runs["launch pipe"].result()
     assert rc == 0, out
     lines = out.splitlines()
     assert "\r" not in out
@@ -169,20 +192,20 @@ def test_under_ddpkit_launch_into_a_pipe_the_bar_writes_a_line_per_log_and_a_tra
     assert bar[-1].startswith(f"[rank0]: train {STEPS}/{STEPS} [100%]")
     assert len([line for line in lines if "eval  step" in line]) == EVALUATIONS
     # A crash: torch prefixes the traceback's lines with the rank; the launcher adds none of its own to them.
-    rc, out = run_into_pipe([*LAUNCH, SCRIPT, "--output_dir", str(tmp_path / "crash"), "--crash_at_step", "4"])
+    rc, out = console_runs["launch crash"].result()
     assert rc == 1, out
     assert "[rank1]: RuntimeError: rank 1 crashes on purpose at step 4" in out.splitlines(), out
     assert not [line for line in out.splitlines() if line.count("[rank") > 1], out
 
 
-def test_plain_python_in_a_terminal_redraws_and_into_a_pipe_writes_a_line_per_log(tmp_path):
-    rc, raw = run_in_terminal([sys.executable, SCRIPT, "--output_dir", str(tmp_path / "tty")])
+def test_plain_python_in_a_terminal_redraws_and_into_a_pipe_writes_a_line_per_log(console_runs):
+    rc, raw = console_runs["python tty"].result()
     rows = screen(raw)
     assert rc == 0, raw
     bars = [row for row in rows if "train:" in row]
     assert len(bars) == 1 and bars[0].startswith("train: 100%") and f"{STEPS}/{STEPS}" in bars[0], rows
     assert raw.count("train:") > STEPS // 2
     assert len([row for row in rows if row.startswith("eval  step")]) == EVALUATIONS
-    rc, out = run_into_pipe([sys.executable, SCRIPT, "--output_dir", str(tmp_path / "pipe")])
+    rc, out = console_runs["python pipe"].result()
     assert rc == 0, out
     assert len([line for line in out.splitlines() if line.startswith("train ")]) == STEPS // LOGGING_STEPS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -105,7 +106,7 @@ def test_world_of_one_without_launcher(monkeypatch):
         ddpkit.destroy_process_group()
 
 
-def late_rank(world):
+def late_rank(world, done_flag):
     """Rank 1 never joins the all-reduce: rank 0 must get an error at the timeout, not hang."""
     comm = ddpkit.Comm()
     if world.rank == 0:
@@ -114,13 +115,18 @@ def late_rank(world):
             comm.all_reduce(torch.ones(1))
         except Exception as exc:  # gloo raises a RuntimeError-like DistBackendError
             return ("raised", time.monotonic() - start, type(exc).__name__)
+        finally:
+            open(done_flag, "w").close()
         return ("returned", time.monotonic() - start, "")
-    time.sleep(6)
+    # Up until rank 0 is done (at most 60 s): gone earlier, it would close the connection rank 0 waits on.
+    end = time.monotonic() + 60
+    while not os.path.exists(done_flag) and time.monotonic() < end:
+        time.sleep(0.05)
     return ("slept", 0.0, "")
 
 
-def test_collective_timeout_raises():
-    rank0, _ = run_world(late_rank, 2, collective_timeout_s=2, deadline_s=60)
+def test_collective_timeout_raises(tmp_path):
+    rank0, _ = run_world(late_rank, 2, args=(str(tmp_path / "rank0-done"),), collective_timeout_s=2, deadline_s=60)
     assert rank0[0] == "raised", rank0
     assert rank0[1] < 5, f"the 2 s timeout took {rank0[1]:.1f} s to fire"
 

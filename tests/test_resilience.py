@@ -16,6 +16,7 @@ checkpoint, which is what the first test checks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -136,18 +137,28 @@ def assert_same_end(output: str, reference_hash: str, resumed_at: int, restart: 
 
 
 @pytest.fixture(scope="module")
-def reference_hash(tmp_path_factory) -> str:
-    """The final parameters' hash of one uninterrupted run: the truth every interrupted run must reach."""
+def reference_hash(tmp_path_factory):
+    """The final parameters' hash of one uninterrupted run: the truth every interrupted run must reach. A
+    function: the run starts here and goes on beside the first test's own launches (which import, then sleep
+    0.5 s a step), and the hash is waited for when a test needs it; the run keeps its deadline and is reaped
+    at the end of the module."""
     out = tmp_path_factory.mktemp("uninterrupted")
     began = time.monotonic()
-    rc, output = run_to_end(out=out)
-    print(f"uninterrupted run: {time.monotonic() - began:.1f} s")
-    assert rc == 0, output
-    ends = results(output)
-    assert ends[0]["params_sha256"] == ends[1]["params_sha256"], output  # the replicas agree
-    assert ends[0]["global_step"] == MAX_STEPS and ends[0]["resumed_at"] == 0
-    assert list_checkpoints(str(out)) == []  # save_strategy "no": the SIGTERM test counts checkpoints
-    return ends[0]["params_sha256"]
+    with launched(out=out) as job:
+
+        @functools.cache
+        def hash_of_the_end() -> str:
+            rc = job.finish()
+            print(f"uninterrupted run: {time.monotonic() - began:.1f} s")
+            output = job.output
+            assert rc == 0, output
+            ends = results(output)
+            assert ends[0]["params_sha256"] == ends[1]["params_sha256"], output  # the replicas agree
+            assert ends[0]["global_step"] == MAX_STEPS and ends[0]["resumed_at"] == 0
+            assert list_checkpoints(str(out)) == []  # save_strategy "no": the SIGTERM test counts checkpoints
+            return ends[0]["params_sha256"]
+
+        yield hash_of_the_end
 
 
 def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash):
@@ -181,7 +192,7 @@ def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_p
 
     rc, output = run_to_end(out=out, script_args=("--resume_from_checkpoint", "true"))
     assert rc == 0, output
-    assert_same_end(output, reference_hash, resumed_at=step)
+    assert_same_end(output, reference_hash(), resumed_at=step)
 
 
 def test_crashed_worker_is_restarted_and_resumes_from_the_newest_checkpoint_bitwise(tmp_path, reference_hash):
@@ -198,4 +209,4 @@ def test_crashed_worker_is_restarted_and_resumes_from_the_newest_checkpoint_bitw
     for rank in (0, 1):
         assert "RESULT" in (out / "logs" / f"rank{rank}.restart1.log").read_text()
     # the restarted workers took only steps 7..24, from checkpoint-6, and ended where the reference did
-    assert_same_end(output, reference_hash, resumed_at=newest, restart=1)
+    assert_same_end(output, reference_hash(), resumed_at=newest, restart=1)

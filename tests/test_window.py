@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import clean_env
 
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
@@ -57,10 +59,36 @@ class Job:
                 self.proc.wait()
             self._reader.join(10)
 
+    def kill(self) -> None:
+        """SIGKILL to its session, if it still runs (a test that failed before finish)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(10)
 
-def test_the_first_ctrl_c_stops_every_rank_with_one_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    job = Job(SCRIPT, "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "0.2")
+
+@pytest.fixture(scope="module")
+def ctrl_c_jobs(tmp_path_factory):
+    """The two Ctrl-C tests' jobs, started together: each spends its first seconds importing on one core and
+    then mostly sleeps (0.2 s and 5 s a step), so the second one's start costs the first almost nothing. Each
+    test presses Ctrl-C on its own job; whatever still runs at the end is killed."""
+    root = tmp_path_factory.mktemp("window")
+    jobs = {
+        "first": (root / "first", Job(SCRIPT, "--output_dir", str(root / "first"), "--max_steps", "400",
+                                      "--sleep_per_step", "0.2")),
+        # Each step sleeps 5 s first: a stop at the end of the step would wait for it; the second Ctrl-C must not.
+        "second": (root / "second", Job(SCRIPT, "--output_dir", str(root / "second"), "--max_steps", "400",
+                                        "--sleep_per_step", "5")),
+    }
+    try:
+        yield jobs
+    finally:
+        for _, job in jobs.values():
+            job.kill()
+
+
+def test_the_first_ctrl_c_stops_every_rank_with_one_checkpoint(ctrl_c_jobs):
+    out, job = ctrl_c_jobs["first"]
     job.wait_until(lambda: "LOGGED step" in job.output)
     job.press_ctrl_c()
     rc = job.finish()
@@ -73,10 +101,8 @@ def test_the_first_ctrl_c_stops_every_rank_with_one_checkpoint(tmp_path):
     assert load_checkpoint(found[0]).trainer_state["should_stop"] is True
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    # Each step sleeps 5 s first: a stop at the end of the step would wait for it; the second Ctrl-C must not.
-    job = Job(SCRIPT, "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "5")
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(ctrl_c_jobs):
+    out, job = ctrl_c_jobs["second"]
     job.wait_until(lambda: "LOGGED step" in job.output)
     job.press_ctrl_c()
     time.sleep(1.5)  # past the 1 s in which a second SIGINT counts as the same Ctrl-C

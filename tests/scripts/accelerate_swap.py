@@ -1,10 +1,13 @@
 """accelerate driving ddpkit's DDP in place of torch's: `Accelerator.prepare` builds the wrapper.
 
-    accelerate launch --multi_gpu --num_processes 2 tests/scripts/accelerate_swap.py OUT [--torch]
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/accelerate_swap.py OUT
 
-torch.nn.parallel.DistributedDataParallel is swapped for ddpkit's before accelerate is imported, so every
-place accelerate reaches for torch's wrapper (prepare, no_sync inside accumulate, unwrap_model,
-trigger_sync_in_backward) meets ours. Each rank writes what it saw and its final parameters to OUT/rank<r>.json.
+The same training twice in one launch: first with torch's DistributedDataParallel (the reference), then with
+torch.nn.parallel.DistributedDataParallel swapped for ddpkit's, so every place accelerate reaches for torch's
+wrapper (prepare, no_sync inside accumulate, unwrap_model, trigger_sync_in_backward) meets ours; accelerate
+looks the class up there each time, so a swap after its import reaches them all (one launch instead of two saves
+a launcher's and two workers' imports). Each rank writes what it saw and its final parameters to
+OUT/torch/rank<r>.json and OUT/ours/rank<r>.json.
 """
 
 import json
@@ -14,34 +17,37 @@ import sys
 import torch
 
 import ddpkit
+from accelerate import Accelerator
 
-if "--torch" not in sys.argv:  # --torch: leave torch's wrapper in place, for the reference run
-    torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
 
-from accelerate import Accelerator  # noqa: E402 - after the swap, on purpose
+def train(out_dir: str) -> Accelerator:
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=generator),
+                                          torch.randint(0, 3, (64,), generator=generator))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    with accelerator.trigger_sync_in_backward(model):  # ours: reaches for model.reducer.prepare_for_backward
+        pass
+    unwrapped = accelerator.unwrap_model(model)
+    report = {"wrapper": f"{type(model).__module__}.{type(model).__name__}",
+              "unwrapped_is_inner": unwrapped is model.module, "world": accelerator.num_processes,
+              "params": [p.detach().flatten().tolist() for p in unwrapped.parameters()]}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    return accelerator
 
-out_dir = sys.argv[1]
-accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-generator = torch.Generator().manual_seed(1)
-data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator))
-loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-for x, y in loader:
-    with accelerator.accumulate(model):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-with accelerator.trigger_sync_in_backward(model):  # reaches for model.reducer.prepare_for_backward
-    pass
-unwrapped = accelerator.unwrap_model(model)
-report = {"wrapper": f"{type(model).__module__}.{type(model).__name__}",
-          "unwrapped_is_inner": unwrapped is model.module, "world": accelerator.num_processes,
-          "params": [p.detach().flatten().tolist() for p in unwrapped.parameters()]}
-os.makedirs(out_dir, exist_ok=True)
-with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as f:
-    json.dump(report, f)
-accelerator.end_training()
+
+train(os.path.join(sys.argv[1], "torch"))
+torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
+train(os.path.join(sys.argv[1], "ours")).end_training()

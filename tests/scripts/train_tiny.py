@@ -109,7 +109,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     ddp_cls = getattr(ddpkit, "DistributedDataParallel", None) or torch.nn.parallel.DistributedDataParallel
     ddp = ddp_cls(model) if world.is_distributed else model
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    # Plain SGD written out, not torch.optim.SGD: an optimizer's first use imports torch._dynamo, 3-4 s of CPU in
+    # every worker of the twenty-odd launches of tests/test_launch.py, and the launchers, not the optimizer, are
+    # what those tests compare. The update is the same for every launcher and world size.
+    lr = 0.1
     data = torch.randn(args.steps, GLOBAL_BATCH, 4)
     target = torch.randn(args.steps, GLOBAL_BATCH, 1)
     share = GLOBAL_BATCH // world.world_size  # each rank's slice of the global batch
@@ -122,9 +125,12 @@ def main() -> None:
             raise ValueError(f"rank {world.rank} fails on purpose at step {step}")
         rows = slice(world.rank * share, (world.rank + 1) * share)
         loss = torch.nn.functional.mse_loss(ddp(data[step, rows]), target[step, rows])
-        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = None
         loss.backward()  # DDP averages the gradients over ranks: the gradient of the global-batch mean loss
-        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)
     params = [p.detach().flatten().tolist() for p in model.parameters()]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
