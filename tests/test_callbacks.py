@@ -86,6 +86,14 @@ class RankDecides(TrainerCallback):
             control.should_save = True
 
 
+class StopInsideStep(TrainerCallback):
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        control.should_training_stop = self.rank == 0 and state.global_step == 1  # inside the second step
+
+
 def _trainer(out, callbacks, n=24, **kw):
     torch.manual_seed(0)
     args = trainer_args(out, **{"per_device_train_batch_size": 2, "max_steps": 8, **kw})
@@ -108,12 +116,16 @@ def callbacks_world(world, out):
     accumulating = Events()
     _trainer(f"{out}/accumulating", [accumulating], max_steps=2, gradient_accumulation_steps=3,
              eval_strategy="steps", eval_steps=2).train()
-    return events.seen, decided, lonely.state.global_step, params_of(decides.model), accumulating.seen
+    # A stop asked inside step 2 (on rank 0 only, after its first micro-batch) ends training when that step ends.
+    inside = _trainer(f"{out}/inside", [StopInsideStep(world.rank)], max_steps=6, gradient_accumulation_steps=3)
+    inside.train()
+    return events.seen, decided, lonely.state.global_step, params_of(decides.model), accumulating.seen, \
+        (inside.state.global_step, params_of(inside.model))
 
 
 def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     results = run_world(callbacks_world, world_size=2, args=(str(tmp_path),))
-    (seen0, decided0, lonely0, params0, acc0), (seen1, decided1, lonely1, params1, acc1) = results
+    (seen0, decided0, lonely0, params0, acc0, in0), (seen1, decided1, lonely1, params1, acc1, in1) = results
     assert seen0 == seen1  # every event on every rank, at the same steps
     names = [e[0] for e in seen0]
     assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]
@@ -129,6 +141,10 @@ def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     inside = [e[0] for e in acc0 if e[0] not in ("on_init_end", "on_train_begin", "on_epoch_begin")]
     assert inside[:7] == ["on_step_begin", "on_substep_end", "on_substep_end", "on_pre_optimizer_step",
                           "on_optimizer_step", "on_step_end", "on_log"], inside
+    # The stop rank 0 asked inside step 2 took effect on both ranks once that whole step (all 3 micro-batches,
+    # so the all-reduces matched) was done, and the replicas agree.
+    assert in0[0] == in1[0] == 2
+    assert all((a == b).all() for a, b in zip(in0[1], in1[1]))
     # Rank 0's requests took effect on both ranks; rank 1's (stop at step 1, save at every step) did not.
     assert decided0 == decided1 == ([2], 5, ["checkpoint-3"])
     assert all((a == b).all() for a, b in zip(params0, params1))

@@ -164,18 +164,24 @@ def pairwise_collectives(world):
     checks.append(("strided ag", strided.tolist() == [float(k) for k in range(n)]))
     with pytest.raises(RuntimeError, match="same dtype"):
         comm.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * n, dtype=torch.int32), "mixed")
-    # A rider is summed whole over the ranks in the same collective (in flight beside another one), and refused
-    # where only gloo's own collective could carry the reduce-scatter.
+    checks += _rider(comm, gloo, inputs[r], total, r, n)
+    return {"checks": checks, "events": recorder.events, "seq": seq}
+
+
+def _rider(comm, gloo, mine, total, r, n):
+    """A rider is summed whole over the ranks in the same collective (in flight beside another one), and refused
+    where only gloo's own collective could carry the reduce-scatter, before anything is issued."""
     rider, shard = torch.tensor([float(r), 1.0, 0.0]), torch.empty(300)
-    pending = comm.reduce_scatter_tensor(shard, inputs[r].clone(), "rs with a rider", async_op=True, rider=rider)
-    other = comm.reduce_scatter_tensor(torch.empty(300), inputs[r].clone(), "rs without", async_op=True)
+    pending = comm.reduce_scatter_tensor(shard, mine.clone(), "rs with a rider", async_op=True, rider=rider)
+    other = comm.reduce_scatter_tensor(torch.empty(300), mine.clone(), "rs without", async_op=True)
     comm.wait(other)
     comm.wait(pending)
-    checks.append(("rider summed", rider.tolist() == [float(sum(range(n))), float(n), 0.0]))
-    checks.append(("shard beside a rider", torch.equal(shard, total[r * 300:(r + 1) * 300])))
+    seq = gloo.seq
     with pytest.raises(ValueError, match="rider travels only"):
-        gloo.reduce_scatter_tensor(torch.empty(300), inputs[r].clone(), "gloo rs", rider=rider)
-    return {"checks": checks, "events": recorder.events, "seq": seq}
+        gloo.reduce_scatter_tensor(torch.empty(300), mine.clone(), "gloo rs", rider=rider)
+    return [("rider summed", rider.tolist() == [float(sum(range(n))), float(n), 0.0]),
+            ("shard beside a rider", torch.equal(shard, total[r * 300:(r + 1) * 300])),
+            ("refused before it is numbered", gloo.seq == seq)]
 
 
 def _gathered_pieces(comm, gloo, r, n):

@@ -352,35 +352,34 @@ def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a
     assert summary.root_cause(failures) == 0
 
 
-def again_on_a_kept_store(world, port):
-    """The process group is made anew on a store that outlives it (torchrun's agent store does): the second
-    one must not read what the first one's inspectors posted when their ranks left it."""
+def again_on_the_same_store(world):
+    """A process group of the same ranks made again on the same store (destroy_process_group, then
+    init_process_group, under torchrun's agent store; here two new_group calls): the second group's inspector
+    must not read what the first one's posted when its ranks left it."""
     import torch.distributed as dist
 
-    import ddpkit
+    from ddpkit.comm import Comm
+    from ddpkit.monitor import attach_stall_monitor
 
-    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True) if world.rank == 0 else None
-    ddpkit.destroy_process_group()
-    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-    for incarnation in range(2):
-        if incarnation:
-            ddpkit.destroy_process_group()  # rank 1's inspector posts that it left, after collective #3
-        ddpkit.init_process_group(backend="gloo", timeout=TIMEOUT_S, stall_seconds=STALL_S)
-        for _ in range(3 + 3 * incarnation):  # the second past the first's last sequence number
-            ddpkit.barrier()
+    first = Comm.for_group(dist.new_group([0, 1]))
+    attach_stall_monitor(first, TIMEOUT_S, STALL_S)
+    for _ in range(3):
+        first.barrier("first group")
+    first.close_observers()  # each rank's inspector posts that it left, after collective #3
+    second = Comm.for_group(dist.new_group([0, 1]))
+    attach_stall_monitor(second, TIMEOUT_S, STALL_S)
+    for _ in range(6):  # past the first group's last sequence number
+        second.barrier("second group")
     if world.rank == 1:
         time.sleep(2.5)  # two polls of rank 0's inspector while it waits, well within the timeout
     start = time.monotonic()
-    ddpkit.barrier(what="after the sleep")
+    second.barrier("after the sleep")
     waited = time.monotonic() - start
-    ddpkit.barrier()
-    del server
+    second.close_observers()
     return waited
 
 
 def test_a_process_group_made_again_on_the_same_store_does_not_see_the_old_ones_leave():
-    from conftest import free_port
-
-    waited = run_world(again_on_a_kept_store, 2, args=(free_port(),), collective_timeout_s=TIMEOUT_S,
-                       stall_seconds=STALL_S, deadline_s=90)
+    waited = run_world(again_on_the_same_store, 2, collective_timeout_s=TIMEOUT_S, stall_seconds=STALL_S,
+                       deadline_s=90)
     assert waited[0] > 1.5, waited  # rank 0 really waited over a poll of its inspector, and was not ended

@@ -110,17 +110,19 @@ class Comm(Observed):
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, it needs output's "
                              f"{output.numel()} times the world size {self.world_size}")
+        riders = [] if rider is None else [rider]
+        pairs = self.distributed and op == dist.ReduceOp.SUM and self._pairs(output, input, *riders)
+        if rider is not None and self.distributed and not pairs:
+            raise ValueError("reduce_scatter_tensor: a rider travels only with the point-to-point reduce-scatter "
+                             "(gloo, a sum, CPU tensors of one dtype, contiguous); all-reduce it on its own instead")
         record = self._record("reduce_scatter", what, input.numel() * input.element_size())
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
-        if self._pairs(output, input) and op == dist.ReduceOp.SUM:
+        if pairs:
             plan = pairwise.reduce_scatter(output.view(-1), input.view(-1), self.rank, self.world_size, rider)
             exchange = self._exchange(record, *plan)
             return exchange if async_op else self.wait(exchange)
-        if rider is not None:
-            raise ValueError("reduce_scatter_tensor: a rider travels only with the point-to-point reduce-scatter "
-                             "(gloo, CPU tensors of one dtype, contiguous); all-reduce it on its own instead")
         # torch 2.13 renamed it reduce_scatter_single; older versions have only reduce_scatter_tensor.
         collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         if async_op:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import hashlib
 import json
 import os
 import socket
@@ -72,7 +73,10 @@ def attach_stall_monitor(comm: Any, timeout_s: float, stall_seconds: float | Non
         return None
     threshold = default_threshold(timeout_s) if stall_seconds is None else stall_seconds
     store = dist.distributed_c10d._get_default_store()
-    group = f"attempt_{restart}/{dist.get_process_group_ranks(comm.pg)[0]}-{comm.world_size}/"
+    ranks = dist.get_process_group_ranks(comm.pg)
+    # Named by all its ranks ([0, 1] and [0, 2] are two groups), shortly: the name is in every key it polls.
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:8]
+    group = f"attempt_{restart}/{ranks[0]}-{comm.world_size}-{digest}/"
     # A process group made again after destroy_process_group may find the first one's store (torchrun's agent
     # keeps it for the whole attempt), with what the first one's inspectors posted as their ranks left it:
     # read as this group's, those markers end the job as a deadlock at its first long wait. Each making of the

@@ -15,6 +15,7 @@ another within the collective (the same k on both ends), and `then` runs after a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,8 +44,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, rank: int, size: i
     riders = dict(zip(peers, rider.new_empty((size - 1, rider.numel())))) if rider is not None else {}
 
     def total() -> None:
-        for other in riders.values():
-            rider.add_(other.view_as(rider))
+        if riders:  # in rank order too, so that every rank holds the same bits whatever the rider holds
+            ordered = [rider if r == rank else riders[r].view_as(rider) for r in range(size)]
+            rider.copy_(functools.reduce(lambda acc, more: acc.add_(more), ordered[1:], ordered[0].clone()))
         # The sum in rank order (s0 + s1) + s2 + ..., whichever rank computes it. `first` holds rank peers[0]'s
         # part, rank 0's or 1's, and a + b == b + a exactly: adding the other of the two first gives s0 + s1.
         # So every element is the sum a one-process loop over the ranks computes.

@@ -17,7 +17,8 @@ Read top-down, the life of one backward pass (a `Window`):
 3. Launch. The bucket (ddpkit.bucket) copies its gradients into its flat storage, divided by the divisor (the
    world size unless told otherwise), and hands it to the reduction (ddpkit.reduction: an all-reduce, a comm
    hook, or a reduce-scatter into this rank's shard) asynchronously while backward goes on. The per-parameter
-   usage flags go with the last bucket: in its all-reduce, or as their own small collective right after it.
+   usage flags go with the last bucket: in its all-reduce, beside the shards of gloo's point-to-point
+   reduce-scatter, or as their own small collective right after it (ddpkit.reduction says which).
 4. Finalize. Buckets that never filled (their parameters got no gradient on this rank) are launched with
    whatever gradient their parameters hold (zeros for none), every bucket is awaited and written back. A
    parameter no rank used keeps its gradient as it was (None stays None); one used by some ranks gets the
@@ -275,7 +276,8 @@ class Reducer:
     def _write_usage(self, into: torch.Tensor) -> torch.Tensor:
         """This rank's usage flags (1 for a parameter used since the last synchronised backward, else 0) into
         `into`, one element per parameter. Summed over the ranks, an element is above zero exactly where some
-        rank used the parameter, in any floating dtype: sums of zeros and ones never round a one away."""
+        rank used the parameter, in int32 and in reduction.FLAG_DTYPES: sums of zeros and ones never round a
+        one away."""
         if self.uses.count == len(self.params):
             return into.fill_(1)
         return into.copy_(torch.tensor(self.uses.flags, dtype=into.dtype))
@@ -285,8 +287,8 @@ class Reducer:
 
         The flags are written when the last bucket launches: launches go in index order, so every use of this
         window is known then, and it is the same place on every rank. Most reductions carry them in that
-        bucket's collective (ddpkit.reduction); where one cannot (a comm hook, NCCL's reduce-scatter), they get
-        this collective of their own, issued right after that bucket. It is never skipped: only a collective every
+        bucket's collective (ddpkit.reduction); where one cannot (a comm hook, a native reduce-scatter), they
+        get this collective of their own, issued right after that bucket. It is never skipped: only a collective every
         rank skips may be skipped, and whether some rank left a parameter unused is known to that rank alone.
         It runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it behind), so
         finalize's wait for it is mostly covered by the wait for that bucket. (Not waiting at all there is no
