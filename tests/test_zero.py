@@ -94,7 +94,7 @@ def _ddp_step(name, model, opt, step, rank, world_size):
         # hold the last bucket's storage for a moment after its wait returned (torch keeps the Python tensor
         # alive while C++ refers to it): counted again until it settles, for at most a second.
         mine = shards.held_bytes()
-        usage = 4 * len(list(model.parameters()))  # the usage counts, an int32 per parameter
+        usage = 4 * len(list(model.parameters()))  # the usage flags: at most 4 bytes per parameter
         for _ in range(100):
             new = {key: n for key, n in _live_storages().items() if key not in before}
             for tensor in (x, y):
@@ -262,7 +262,7 @@ def _assert_gradients_sharded(name, per_rank, result, world_size):
     """Stage 2: after backward a rank holds total / N bytes of gradient storage (bucket storage, shards and
     .grad together), give or take one bucket (here: the padding of each bucket's last shards, under N elements
     per bucket, since every bucket's storage is released once its shard is taken); and the garbage collector
-    finds no more new tensor storage than that, give or take the usage counts (4 bytes per parameter)."""
+    finds no more new tensor storage than that, give or take the usage flags (at most 4 bytes per parameter)."""
     if world_size == 1:  # a world of one has no reducer and keeps .grad as it is
         return
     # Every parameter has its slice in the shards, used or not (branchy's never-used head: zeros).
