@@ -156,9 +156,9 @@ class DDPJoinHook(JoinHook):
                 bucket.storage.zero_()  # this rank used no parameter: zero usage flags too, where they ride
                 handles.append(bucket.launch(f"bucket {bucket.index}, backward {number}"))
             usage_work = None
-            if not self.stand_ins[-1].usage_numel:  # the usage counts as their own collective: zeros beside the others'
+            if not self.stand_ins[-1].usage_numel:  # the counts as their own collective: zeros beside the others'
                 usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
-                usage_work = reducer.comm.all_reduce(usage, f"parameter usage, backward {number}", async_op=True)
+                usage_work = reducer.sum_usage(usage, number)
             for bucket, handle in zip(self.stand_ins, handles):
                 bucket.wait(handle)
             if usage_work is not None:

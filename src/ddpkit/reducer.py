@@ -288,17 +288,22 @@ class Reducer:
         The flags are written when the last bucket launches: launches go in index order, so every use of this
         window is known then, and it is the same place on every rank. Most reductions carry them in that
         bucket's collective (ddpkit.reduction); where one cannot (a comm hook, a native reduce-scatter), they
-        get this collective of their own, issued right after that bucket. It is never skipped: only a collective every
-        rank skips may be skipped, and whether some rank left a parameter unused is known to that rank alone.
-        It runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it behind), so
-        finalize's wait for it is mostly covered by the wait for that bucket. (Not waiting at all there is no
-        option: a collective left unwaited at the last step can be cut off when the process group is destroyed,
-        seen in testing.)
+        get this collective of their own, issued right after that bucket. It is never skipped: only a
+        collective every rank skips may be skipped, and whether some rank left a parameter unused is known to
+        that rank alone. It runs beside the last bucket's reduction (gloo works on two threads; NCCL queues it
+        behind), so finalize's wait for it is mostly covered by the wait for that bucket. (Not waiting at all
+        there is no option: a collective left unwaited at the last step can be cut off when the process group
+        is destroyed, seen in testing.)
         """
         device = self.params[0].device  # NCCL needs the counts on the device
         counts = self._write_usage(torch.empty(len(self.params), dtype=torch.int32, device=device))
         window.usage_counts = counts
-        window.usage = self.comm.all_reduce(counts, f"parameter usage, backward {window.number}", async_op=True)
+        window.usage = self.sum_usage(counts, window.number)
+
+    def sum_usage(self, counts: torch.Tensor, number: int) -> Any:
+        """Start the usage counts' own collective for synchronised backward `number`, under the name every rank
+        gives it (join's shadow backward issues it too, with zeros)."""
+        return self.comm.all_reduce(counts, f"parameter usage, backward {number}", async_op=True)
 
     # -- 4. finalize ---------------------------------------------------------------------------------------------
     def _finalize(self, window: Window) -> None:
