@@ -151,6 +151,15 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env
 
 
 # -- comparing models: what the DDP and ZeRO tests check against single-process truth -----------------------------
+def stay_until(path: str, limit_s: float = 60.0) -> None:
+    """Sleep until `path` exists (another rank says it is done), for at most `limit_s`: a rank that must not
+    join a collective stays up without a fixed sleep (gone earlier, it would close the connection its peer
+    waits on)."""
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def fingerprint(module: "torch.nn.Module", buffers: bool = False) -> str:
     """A hash of the parameters (and buffers: they differ between ranks after a forward, until the next)."""
     digest = hashlib.sha256()

@@ -3,12 +3,12 @@ are reported finished when they complete, not when someone waits."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
 
+from conftest import stay_until
 from spawn import run_world
 
 
@@ -234,18 +234,11 @@ def test_pairwise_reduce_scatter_and_all_gather_are_one_process_sums():
                                         ("began", s - 1), ("ended", s - 1, None), ("finished", s - 1, True)]
 
 
-def _stay_until(path: str, limit_s: float = 60.0) -> None:
-    """Sleep until `path` exists (the other rank is done), for at most `limit_s`."""
-    end = time.monotonic() + limit_s
-    while not os.path.exists(path) and time.monotonic() < end:
-        time.sleep(0.05)
-
-
 def _missing_peer(world, done_flag):
     from ddpkit.comm import Comm
 
     if world.rank == 1:
-        _stay_until(done_flag)  # never joins the reduce-scatter; stays up until rank 0 has timed out
+        stay_until(done_flag)  # never joins the reduce-scatter; stays up until rank 0 has timed out
         return None
     try:
         started = time.monotonic()

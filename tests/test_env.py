@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import ddpkit
 import ddpkit.env
 from ddpkit.env import LaunchError, backend_for_device, check_backend, read_launch_env, to_timeout
+from conftest import stay_until
 from spawn import run_world
 
 
@@ -118,10 +118,7 @@ def late_rank(world, done_flag):
         finally:
             open(done_flag, "w").close()
         return ("returned", time.monotonic() - start, "")
-    # Up until rank 0 is done (at most 60 s): gone earlier, it would close the connection rank 0 waits on.
-    end = time.monotonic() + 60
-    while not os.path.exists(done_flag) and time.monotonic() < end:
-        time.sleep(0.05)
+    stay_until(done_flag)  # up until rank 0 is done (at most 60 s)
     return ("slept", 0.0, "")
 
 
