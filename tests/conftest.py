@@ -17,6 +17,7 @@ the files that still import it from there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing as mp
 import os
 import queue
@@ -151,6 +152,15 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env
 
 
 # -- comparing models: what the DDP and ZeRO tests check against single-process truth -----------------------------
+def two_at_a_time(runs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each run (a launch that keeps its own deadline) on one of two threads; by name, its finished future, whose
+    result() raises the run's failure in the test that reads it. Launches spend much of their time importing on
+    one core, so a second one fills the other."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(fn) for name, fn in runs.items()}
+    return futures  # all done: leaving the pool waited for them
+
+
 def stay_until(path: str, limit_s: float = 60.0) -> None:
     """Sleep until `path` exists (another rank says it is done), for at most `limit_s`: a rank that must not
     join a collective stays up without a fixed sleep (gone earlier, it would close the connection its peer

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import json
 import os
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import clean_env, free_port
+from conftest import clean_env, free_port, two_at_a_time
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_swap.py")
 HF_SCRIPT = str(Path(__file__).parent / "scripts" / "hf_trainer_swap.py")
@@ -70,9 +69,7 @@ def swap_runs(tmp_path_factory):
         runs["accelerate"] = lambda: _accelerate(root / "accelerate")
     if HAVE_TRANSFORMERS:
         runs["transformers"] = lambda: _transformers(root / "transformers")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(fn) for name, fn in runs.items()}
-    return futures  # all done: leaving the pool waited for them
+    return two_at_a_time(runs)
 
 
 @pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is a dev extra")

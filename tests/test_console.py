@@ -7,7 +7,6 @@ logging every 3, evaluating every 6, rank 1 printing a line a step) under `ddpki
 
 from __future__ import annotations
 
-import concurrent.futures
 import fcntl
 import io
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, reap
+from conftest import clean_env, reap, two_at_a_time
 from ddpkit.console import Console
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_console.py")
@@ -158,9 +157,7 @@ def console_runs(tmp_path_factory):
         "python tty": lambda: run_in_terminal([sys.executable, SCRIPT, "--output_dir", str(root / "tty")]),
         "python pipe": lambda: run_into_pipe([sys.executable, SCRIPT, "--output_dir", str(root / "pipe")]),
     }
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(fn) for name, fn in runs.items()}
-    return futures  # all done: leaving the pool waited for them
+    return two_at_a_time(runs)
 
 
 def test_under_ddpkit_launch_in_a_terminal_the_bar_redraws_in_place(console_runs):
