@@ -28,6 +28,7 @@ from ddpkit import errors, launch_plan, summary
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch"]
 DEADLINE_S = 120
+REMAKE = ["--remake", "4"]  # train_tiny.py makes its process group again this many times
 
 
 def start(cmd, env=None, **kw) -> subprocess.Popen:
@@ -128,7 +129,7 @@ def _slurm_run(out: Path) -> types.SimpleNamespace:
     """Two tasks as `srun --ntasks 2` would start them: only SLURM_* variables, no launcher."""
     port = free_port()
     began = time.monotonic()
-    procs = [start([sys.executable, SCRIPT, "--out", str(out)],
+    procs = [start([sys.executable, SCRIPT, "--out", str(out), *REMAKE],
                    clean_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
                              SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_NODELIST="localhost",
                              SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=str(port)))
@@ -150,10 +151,11 @@ def compat_runs(tmp_path_factory):
     tmp_env = clean_env(TMPDIR=str(root / "tmp"))  # torchrun's own log directories go there, not into /tmp
     runs = {
         "ddpkit": lambda: run([*LAUNCH, "--nproc-per-node", "2", "--log-dir", str(root / "logs"), SCRIPT,
-                               "--out", str(root / "ddpkit"), "--print-env"]),
+                               "--out", str(root / "ddpkit"), "--print-env", *REMAKE]),
         # explicit free ports: torchrun and accelerate both default to 29500, and runs overlap two at a time
         "torchrun": lambda: run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master-port", str(free_port()), SCRIPT, "--out", str(root / "torchrun")],
+                                 "--master-port", str(free_port()), SCRIPT, "--out", str(root / "torchrun"),
+                                 *REMAKE],
                                 tmp_env),
         "slurm": lambda: _slurm_run(root / "slurm"),
         "python": lambda: run([sys.executable, SCRIPT, "--out", str(root / "python")]),
@@ -194,6 +196,18 @@ def test_ddpkit_launch_gives_torchrun_environment_prefixed_output_and_rank_files
         assert f"[rank{rank}]: to stderr from rank {rank}" in out  # stderr too, prefixed, on the console
         log = (root / "logs" / f"rank{rank}.log").read_text()  # one file per rank: stdout and stderr
         assert f"to stderr from rank {rank}" in log and f"done rank {rank} of 2" in log and "[rank" not in log
+
+
+def test_a_process_group_made_again_meets_its_own_peers_only(compat_runs):
+    """The store of torchrun's (and ddpkit launch's) agent outlives a process group, and so may rank 0's
+    TCPStore under SLURM variables: a group made again must not read the keys the one before left there. It
+    did: a loop of destroy and init timed out in its second or third round."""
+    _, results = compat_runs
+    for name in ("ddpkit", "torchrun", "slurm"):
+        out = results[name].out
+        for time_ in range(1, int(REMAKE[1]) + 1):
+            for rank in range(2):
+                assert f"remade {time_}: rank {rank} sums 3" in out, (name, out)
 
 
 def test_every_launcher_ends_with_the_same_parameters(compat_runs):

@@ -51,18 +51,27 @@ def rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store
                               f"{info.world_size}: start exactly that many processes (ddpkit launch "
                               "--nproc-per-node N), or check that every node can reach MASTER_ADDR") from exc
         raise
-    if info.agent_store:
-        # The agent's store outlives a restart: keys the failed attempt left (gloo's peer addresses) must not be
-        # read by the restarted workers.
-        store = dist.PrefixStore(f"ddpkit/attempt_{info.restart}/", store)
+    store = _fresh_prefix(store, info)
     _wait_for_everyone(store, info, join_timeout)
     return store
 
 
+def _fresh_prefix(store: dist.Store, info: LaunchInfo) -> dist.Store:
+    """The agent's store outlives the process group: the keys an earlier group left in it (gloo's peer
+    addresses, our join count) must not be read by the next one. That earlier group may be a failed attempt's
+    (the restarted workers) or this process's own, destroyed and made again (a sweep of several runs in one
+    script): both get their own prefix. Without it the second group's gloo read the first one's addresses;
+    under torchrun a loop of init and destroy timed out in its third round, and torch's own init in its
+    second (test_launch). Each rank counts its own makings in the store: every rank makes the group as many
+    times as the others (no group forms otherwise), so the counts agree."""
+    made = store.add(f"ddpkit/attempt_{info.restart}/made/{info.rank}", 1)
+    return dist.PrefixStore(f"ddpkit/attempt_{info.restart}/{made}/", store)
+
+
 def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: datetime.timedelta) -> None:
-    """Every process counts itself in; too few within the join timeout is a launch error. (Too many cannot be
-    told from a second init in the same job: a rank >= WORLD_SIZE is caught when the environment is read.)"""
-    key = f"ddpkit/joined/{info.restart}"
+    """Every process counts itself in (under this group's own prefix); too few within the join timeout is a
+    launch error. (A rank >= WORLD_SIZE is caught when the environment is read.)"""
+    key = "ddpkit/joined"
     arrived = store.add(key, 1)
     deadline = time.monotonic() + join_timeout.total_seconds()
     while arrived < info.world_size and time.monotonic() < deadline:

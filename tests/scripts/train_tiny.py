@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-attempts", type=int, default=99, help="fail only on restarts below this")
     parser.add_argument("--wait-for-signal", action="store_true", help="print 'ready', then sleep until signalled")
     parser.add_argument("--ignore-term", action="store_true", help="on SIGTERM/SIGINT, keep sleeping")
+    parser.add_argument("--remake", type=int, default=0,
+                        help="destroy the process group and make it again this many times before training")
     return parser.parse_args()
 
 
@@ -92,6 +94,18 @@ def wait_for_signal(rank: int, ignore: bool) -> None:
         time.sleep(0.1)
 
 
+def remake(times: int) -> ddpkit.DistEnv:
+    """Destroy the process group and make it again, `times` times (a sweep of runs in one script does so), each
+    group checked with an all-reduce of rank + 1."""
+    for time_ in range(1, times + 1):
+        ddpkit.destroy_process_group()
+        world = ddpkit.init_process_group(backend="gloo", timeout=60)
+        total = torch.tensor([world.rank + 1.0])
+        torch.distributed.all_reduce(total)
+        print(f"remade {time_}: rank {world.rank} sums {int(total.item())}", flush=True)
+    return world
+
+
 def main() -> None:
     args = parse_args()
     die_with_parent()
@@ -104,6 +118,8 @@ def main() -> None:
         print_env(world.rank)
     if args.wait_for_signal:
         wait_for_signal(world.rank, args.ignore_term)
+    if args.remake:
+        world = remake(args.remake)
 
     torch.manual_seed(0)  # the same initial model and data on every rank
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
