@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
+from ddpkit import step
 from ddpkit.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from ddpkit.trainer import Trainer
 
@@ -46,6 +48,20 @@ def test_handler_instantiates_classes_honours_returned_controls_and_refuses_non_
     assert handler.pop_callback(Replace) is None
     with pytest.raises(TypeError, match="defines none of the events"):
         handler.add_callback(object())
+    # An event is handled where some callback has its own method for it, not a base class's no-op.
+    transformers = pytest.importorskip("transformers")
+
+    class Theirs(transformers.TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            pass
+
+    class DuckTyped:
+        def on_save(self, args, state, control, **kwargs):
+            pass
+
+    handler = CallbackHandler([Replace, Theirs(), DuckTyped()])
+    assert [e for e in ("on_step_end", "on_log", "on_save", "on_evaluate", "on_step_begin") if handler.handles(e)] \
+        == ["on_step_end", "on_log", "on_save"]
 
 
 # -- in a world of two ---------------------------------------------------------------------------------------------
@@ -67,8 +83,8 @@ class Events(TrainerCallback):
 
 class RankDecides(TrainerCallback):
     """Rank 0 asks for an evaluation at step 2, a save at step 3 and a stop at step 5; rank 1 asks for a stop when
-    training begins, at step 1, and a save at every step. Only rank 0's requests may take effect, on both ranks (the arguments
-    schedule no evaluation and no save)."""
+    training begins, at step 1, and a save at every step. Only rank 0's requests may take effect, on both ranks
+    (the arguments schedule no evaluation and no save)."""
 
     def __init__(self, rank):
         self.rank = rank
@@ -84,6 +100,27 @@ class RankDecides(TrainerCallback):
         else:
             control.should_training_stop = True
             control.should_save = True
+
+
+class OnlyLogs(TrainerCallback):
+    def on_log(self, args, state, control, **kwargs):
+        pass
+
+
+def events_that_waited(trainer):
+    """Train; the events before which the Trainer waited for stage 2's parameter gathers."""
+    waited, real = [], step.wait_for_params
+
+    def spy(optimizer):
+        waited.append(sys._getframe(1).f_locals.get("event"))  # _fire's event (None: not called from _fire)
+        real(optimizer)
+
+    step.wait_for_params = spy
+    try:
+        trainer.train()
+    finally:
+        step.wait_for_params = real
+    return sorted({e for e in waited if e is not None})
 
 
 class StopInsideStep(TrainerCallback):
@@ -119,13 +156,16 @@ def callbacks_world(world, out):
     # A stop asked inside step 2 (on rank 0 only, after its first micro-batch) ends training when that step ends.
     inside = _trainer(f"{out}/inside", [StopInsideStep(world.rank)], max_steps=6, gradient_accumulation_steps=3)
     inside.train()
+    # Stage 2 leaves its gathers in flight into the next forward, unless a callback acts at the event.
+    waited = events_that_waited(_trainer(f"{out}/zero2", [OnlyLogs()], ddp_zero_stage=2, logging_steps=4))
     return events.seen, decided, lonely.state.global_step, params_of(decides.model), accumulating.seen, \
-        (inside.state.global_step, params_of(inside.model))
+        (inside.state.global_step, params_of(inside.model)), waited
 
 
 def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     results = run_world(callbacks_world, world_size=2, args=(str(tmp_path),))
-    (seen0, decided0, lonely0, params0, acc0, in0), (seen1, decided1, lonely1, params1, acc1, in1) = results
+    (seen0, decided0, lonely0, params0, acc0, in0, waited0), (seen1, decided1, lonely1, params1, acc1, in1, _) = results
+    assert waited0 == ["on_log"]
     assert seen0 == seen1  # every event on every rank, at the same steps
     names = [e[0] for e in seen0]
     assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]

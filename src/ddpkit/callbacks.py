@@ -137,6 +137,12 @@ class CallbackHandler:
                 for key, value in states[index].get("attributes", {}).items():
                     setattr(callback, key, value)
 
+    def handles(self, event: str) -> bool:
+        """Whether some callback does something at `event`: it has its own method for it, not the no-op of
+        ddpkit's or Transformers' TrainerCallback (both are named TrainerCallback.<event>)."""
+        return any(getattr(getattr(callback, event, None), "__qualname__", f"TrainerCallback.{event}")
+                   != f"TrainerCallback.{event}" for callback in self.callbacks)
+
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for callback in self.callbacks:
             method = getattr(callback, event, None)
