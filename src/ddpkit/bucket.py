@@ -292,9 +292,10 @@ class Bucket:
             torch._foreach_div_(dst + in_place, divisor)
 
     # -- launch, wait, write back: the reduction's part ----------------------------------------------------------
-    def launch(self, what: str) -> Any:
-        """Start reducing the filled storage; what `wait` takes."""
-        return self.reduction.start(self, what)
+    def launch(self, backward: int) -> Any:
+        """Start reducing the filled storage for synchronised backward number `backward`, under the name every
+        rank gives this collective (join's stand-ins too); what `wait` takes."""
+        return self.reduction.start(self, f"bucket {self.index}, backward {backward}")
 
     def wait(self, handle: Any) -> torch.Tensor | None:
         return self.reduction.wait(self, handle)

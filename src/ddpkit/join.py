@@ -154,7 +154,7 @@ class DDPJoinHook(JoinHook):
             handles = []
             for bucket in self.stand_ins:
                 bucket.storage.zero_()  # this rank used no parameter: zero usage flags too, where they ride
-                handles.append(bucket.launch(f"bucket {bucket.index}, backward {number}"))
+                handles.append(bucket.launch(number))
             usage_work = None
             if not self.stand_ins[-1].usage_numel:  # the counts as their own collective: zeros beside the others'
                 usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)

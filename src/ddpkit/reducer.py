@@ -269,7 +269,7 @@ class Reducer:
             bucket.fill(window.filled, window.divisor if self.reduction.divides else None)
             if bucket.usage_numel:
                 window.usage_counts = self._write_usage(bucket.usage)
-            window.inflight[bucket.index] = bucket.launch(f"bucket {bucket.index}, backward {window.number}")
+            window.inflight[bucket.index] = bucket.launch(window.number)
         if window.next_launch == len(self.buckets) and not bucket.usage_numel:
             self._launch_usage(window)
 
