@@ -76,6 +76,8 @@ class Events(TrainerCallback):
         if name.startswith("on_"):
             def record(args, state, control, **kwargs):
                 extra = sorted((kwargs.get("logs") or kwargs.get("metrics") or {}).keys() & {"loss", "eval_loss"})
+                if name == "on_prediction_step":
+                    extra = [torch.is_grad_enabled()]  # after the batch's no_grad, as in Transformers
                 self.seen.append((name, state.global_step, *extra))
             return record
         return object.__getattribute__(self, name)
@@ -175,7 +177,7 @@ def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
                      ("on_evaluate", 4, "eval_loss"), ("on_save", 4), ("on_step_begin", 4),
                      ("on_pre_optimizer_step", 4), ("on_optimizer_step", 4)]
     # 6 evaluation samples, 3 on each rank: one batch of the default per_device_eval_batch_size (8) at steps 4, 8.
-    assert [e[1] for e in seen0 if e[0] == "on_prediction_step"] == [4, 8]
+    assert [e[1:] for e in seen0 if e[0] == "on_prediction_step"] == [(4, True), (8, True)]
     # Accumulation over 3 micro-batches: Transformers' order of the events inside each step, on every rank.
     assert acc0 == acc1
     inside = [e[0] for e in acc0 if e[0] not in ("on_init_end", "on_train_begin", "on_epoch_begin")]

@@ -317,7 +317,7 @@ class Trainer:
             raise ValueError("Trainer.evaluate needs an eval_dataset with at least one sample")
         start = time.perf_counter()
         mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size)
-        with evaluation.eval_mode(self.model), torch.no_grad(), self.precision.autocast():
+        with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), self._evaluation_forward,
                                          self.compute_metrics is not None)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
@@ -329,8 +329,9 @@ class Trainer:
 
     def _evaluation_forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any, int]:
         inputs = self._prepare_inputs(batch)
-        loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
-        self._fire("on_prediction_step")
+        with torch.no_grad(), self.precision.autocast():
+            loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
+        self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, inputs, self.count_items(inputs)
 
     def save_model(self, output_dir: str | None = None) -> None:
