@@ -151,6 +151,63 @@ class _Gated(torch.nn.Module):
         return h + self.late(h) if rank == 0 and step == 2 else h
 
 
+def _grads_against_one_process(ref, copies, n):
+    """(name, ok) per parameter: the all-reduce's average, divisor=1's sum and bfloat16's average against one
+    process's gradients of the mean loss."""
+    checks = []
+    for (name, p), q, s, b in zip(ref.named_parameters(), copies["allreduce"].parameters(),
+                                  copies["sum"].parameters(), copies["bf16"].parameters()):
+        if p.grad is None:  # no rank used it: None stays None
+            checks.append((name, q.grad is None and s.grad is None and b.grad is None))
+            continue
+        checks.append((name + " bf16", b.grad is not None and
+                       torch.allclose(b.grad.float(), p.grad, rtol=0.02, atol=0.02)))
+        checks.append((name, (p.grad - q.grad).abs().max().item() <= 1e-6))
+        checks.append((name + " sum", (s.grad - n * q.grad).abs().max().item() <= 1e-6))
+    return checks
+
+
+def _shards_against_the_average(key, red, kept, averaged, r, n):
+    """(what, ok): each bucket's shard, as handed over, is this rank's slice of the all-reduce's average."""
+    # The shard is all a reduce-scatter keeps: each bucket's storage is released after backward.
+    checks = [(f"{key} storage released", not any(b.allocated for b in red.buckets)),
+              (f"{key} holds no output", not red.reduction.held())]
+    for bucket, layout in zip(red.buckets, red.layouts()):
+        shard = kept[bucket.index]
+        assert shard.numel() == layout.shard_numel
+        covered = 0
+        for piece in layout.shard_pieces(r):
+            grad = averaged[piece.param]
+            got = shard[piece.shard_offset:piece.shard_offset + piece.stop - piece.start]
+            want = torch.zeros_like(got) if grad is None else grad.flatten()[piece.start:piece.stop]
+            # Two ranks sum in one order only (a + b == b + a): the pairwise shard is the all-reduce's bits.
+            exact = torch.equal(got, want) if key == "rs_pairwise" and n == 2 else \
+                torch.allclose(got, want, atol=1e-7)
+            checks.append((f"{key} bucket {bucket.index} param {piece.param}", exact))
+            covered += piece.stop - piece.start
+        checks.append((f"{key} padding", bool((shard[covered:] == 0).all())))
+    return checks
+
+
+def _create_graph_divides_alike(comm, r):
+    """A gradient large enough to be divided in its hook, made with create_graph=True (it requires grad
+    itself), averages to the same bits as one made without."""
+    import copy
+
+    from ddpkit.reducer import Reducer
+
+    torch.manual_seed(1)
+    big = torch.nn.Linear(256, 200)
+    twin = copy.deepcopy(big)
+    for model, create_graph in ((big, False), (twin, True)):
+        Reducer(list(model.parameters()), ["weight", "bias"], comm)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(3, 256, generator=torch.Generator().manual_seed(10 * step + r))
+            model(x).pow(2).sum().backward(create_graph=create_graph)
+    return all(torch.equal(p.grad, q.grad.detach()) for p, q in zip(big.parameters(), twin.parameters()))
+
+
 def reductions(world):
     import copy
 
@@ -188,48 +245,12 @@ def reductions(world):
             mine = x[2 * r:2 * r + 2]
             model(mine.to(torch.bfloat16) if key == "bf16" else mine, r, step).sum().backward()
         (sum(ref(x[2 * k:2 * k + 2], k, step).sum() for k in range(n)) / n).backward()
-        for (name, p), q, s, b in zip(ref.named_parameters(), copies["allreduce"].parameters(),
-                                      copies["sum"].parameters(), copies["bf16"].parameters()):
-            if p.grad is None:  # no rank used it: None stays None
-                out["errors"].append((name, q.grad is None and s.grad is None and b.grad is None))
-                continue
-            out["errors"].append((name + " bf16", b.grad is not None and
-                                  torch.allclose(b.grad.float(), p.grad, rtol=0.02, atol=0.02)))
-            out["errors"].append((name, (p.grad - q.grad).abs().max().item() <= 1e-6))
-            out["errors"].append((name + " sum", (s.grad - n * q.grad).abs().max().item() <= 1e-6))
+        out["errors"] += _grads_against_one_process(ref, copies, n)
         averaged = {i: p.grad for i, p in enumerate(copies["allreduce"].parameters())}
         for key in ("rs_pairwise", "rs_gloo"):
-            red = reducers[key]
-            # The shard is all a reduce-scatter keeps: each bucket's storage is released after backward.
-            out["errors"].append((f"{key} storage released", not any(b.allocated for b in red.buckets)))
-            out["errors"].append((f"{key} holds no output", not red.reduction.held()))
-            for bucket, layout in zip(red.buckets, red.layouts()):
-                shard = kept[key][bucket.index]
-                assert shard.numel() == layout.shard_numel
-                covered = 0
-                for piece in layout.shard_pieces(r):
-                    grad = averaged[piece.param]
-                    got = shard[piece.shard_offset:piece.shard_offset + piece.stop - piece.start]
-                    want = torch.zeros_like(got) if grad is None else grad.flatten()[piece.start:piece.stop]
-                    # Two ranks sum in one order only (a + b == b + a): the pairwise shard is the all-reduce's bits.
-                    exact = torch.equal(got, want) if key == "rs_pairwise" and n == 2 else \
-                        torch.allclose(got, want, atol=1e-7)
-                    out["errors"].append((f"{key} bucket {bucket.index} param {piece.param}", exact))
-                    covered += piece.stop - piece.start
-                out["errors"].append((f"{key} padding", bool((shard[covered:] == 0).all())))
+            out["errors"] += _shards_against_the_average(key, reducers[key], kept[key], averaged, r, n)
     out["usage"] = [rec.what for rec in comm.log if rec.what.startswith("parameter usage")]  # (the log keeps 64)
-    # A gradient large enough to be divided in its hook, made with create_graph=True (it requires grad itself).
-    torch.manual_seed(1)
-    big = torch.nn.Linear(256, 200)
-    twin = copy.deepcopy(big)
-    for model, create_graph in ((big, False), (twin, True)):
-        Reducer(list(model.parameters()), ["weight", "bias"], comm)
-        for step in range(2):
-            model.zero_grad(set_to_none=True)
-            x = torch.randn(3, 256, generator=torch.Generator().manual_seed(10 * step + r))
-            model(x).pow(2).sum().backward(create_graph=create_graph)
-    out["errors"].append(("create_graph", all(torch.equal(p.grad, q.grad.detach())
-                                              for p, q in zip(big.parameters(), twin.parameters()))))
+    out["errors"].append(("create_graph", _create_graph_divides_alike(comm, r)))
     out["errors"].append(("all-reduce keeps its storage", all(b.allocated for b in reducers["allreduce"].buckets)))
     out["storage"] = [(b.storage.numel(), b.layout.numel) for b in reducers["allreduce"].buckets]
     out["seen"] = seen
