@@ -116,7 +116,8 @@ class TrainingArguments:
                                     "(ddpkit.ZeroRedundancyOptimizer); 2 = gradients sharded too "
                                     "(DistributedDataParallel(zero_stage=2)).", choices=(0, 1, 2))
     ddp_timeline_steps: str | None = _field(None, "Record optimizer steps A:B (both included, e.g. 3:8) of every "
-                                                  "rank into output_dir/timeline.json, a Chrome trace; print a summary.")
+                                                  "rank into output_dir/timeline.json, a Chrome trace; print a "
+                                                  "summary.")
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):

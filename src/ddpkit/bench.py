@@ -249,8 +249,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         return 130
     env = report["environment"]
     print(f"ddpkit bench: torch {env['torch']}, gloo on loopback, {cfg.threads} thread(s) per rank, "
-          f"{env['cpus']} CPUs; {'compiled (' + cfg.compile + '), ' if cfg.compile else ''}{cfg.steps} steps x {cfg.repeats} rounds per variant after {cfg.warmup} warm-up; "
-          f"rank 0 medians")
+          f"{env['cpus']} CPUs; {'compiled (' + cfg.compile + '), ' if cfg.compile else ''}"
+          f"{cfg.steps} steps x {cfg.repeats} rounds per variant after {cfg.warmup} warm-up; rank 0 medians")
     print(format_table(report["results"]))
     if args.json:
         with open(args.json, "w") as fh:

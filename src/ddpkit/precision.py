@@ -66,8 +66,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
     or the replicas part (stage 1/2), and the all-gathers after the step would not match. Under plain DDP the
     averaged gradients are the same everywhere, so the agreement changes nothing there but costs one all-reduce of
     one number per step (the scaler's step reads found-inf on the host anyway). The scale therefore moves the same
-    on every rank, and the state_dict rank 0 saves is every rank's. Overriding `_unscale_grads_` is what torch's own FSDP
-    ShardedGradScaler does for the same reason.
+    on every rank, and the state_dict rank 0 saves is every rank's. Overriding `_unscale_grads_` is what torch's
+    own FSDP ShardedGradScaler does for the same reason.
     """
 
     def __init__(self, device: str = "cuda", comm: Comm | None = None, **kwargs: Any):

@@ -51,9 +51,10 @@ def root_cause(failures: Mapping[int, Any]) -> int:
 
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
     unless it only says that a peer was gone; then a worker that died on its own (an exit code, or a signal
-    other than the SIGTERM/SIGKILL the agent sends to the survivors); then a killed one. torchelastic's own choice, the earliest timestamp, counts whole seconds, so it
-    often names a survivor that was merely stopped, or one that raised only because its peer had died; the
-    error file's modification time orders them to the nanosecond.
+    other than the SIGTERM/SIGKILL the agent sends to the survivors); then a killed one. torchelastic's own
+    choice, the earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped,
+    or one that raised only because its peer had died; the error file's modification time orders them to the
+    nanosecond.
     """
     def key(rank):
         failure = failures[rank]

@@ -260,4 +260,5 @@ def load_trace(path: str) -> dict[str, Any]:
     return trace
 
 
-__all__ = ["CHECKPOINT", "DATA_WAIT", "EVALUATION", "NULL_RECORDER", "Timeline", "attach_timeline", "load_trace", "recorder_for", "start_timeline"]
+__all__ = ["CHECKPOINT", "DATA_WAIT", "EVALUATION", "NULL_RECORDER", "Timeline", "attach_timeline", "load_trace",
+           "recorder_for", "start_timeline"]
