@@ -13,7 +13,7 @@ from .zero import ZeroRedundancyOptimizer
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .callbacks import TrainerCallback, TrainerControl
-from .trainer import EvalPrediction, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
+from .trainer import EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
 from .env import (
     DistEnv,
     LaunchError,
@@ -28,6 +28,7 @@ __all__ = [
     "ArgumentError",
     "ArgumentParser",
     "EvalPrediction",
+    "PredictionOutput",
     "Trainer",
     "TrainerCallback",
     "TrainerControl",

@@ -28,7 +28,7 @@ from .comm import Comm, flags_of_main, max_over_ranks
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
-          "on_prediction_step", "on_log", "on_save")
+          "on_prediction_step", "on_predict", "on_log", "on_save")
 
 
 @dataclasses.dataclass
@@ -82,7 +82,8 @@ class TrainerCallback:
     def on_optimizer_step(self, args, state, control, **kwargs): pass  # before the schedule and zero_grad
     def on_step_end(self, args, state, control, **kwargs): pass
     def on_evaluate(self, args, state, control, metrics=None, **kwargs): pass
-    def on_prediction_step(self, args, state, control, **kwargs): pass  # each evaluation batch
+    def on_prediction_step(self, args, state, control, **kwargs): pass  # each evaluation or prediction batch
+    def on_predict(self, args, state, control, metrics=None, **kwargs): pass  # Trainer.predict's metrics
     def on_log(self, args, state, control, logs=None, **kwargs): pass
     def on_save(self, args, state, control, **kwargs): pass
 

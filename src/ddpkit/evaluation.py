@@ -47,21 +47,25 @@ class Part:
     """One rank's share of an evaluation."""
 
     loss_sum: float = 0.0  # the batches' mean losses times their items, in float64 as the sums over ranks are
-    items: float = 0.0
+    items: float = 0.0  # of the batches that had a loss (predict's batches without labels have none)
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
     labels: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 def accumulate(batches: Iterable, forward: Callable[[Any], tuple[torch.Tensor, Any, Any, int]],
                want_predictions: bool) -> Part:
-    """Run `forward` on every batch; sum the losses weighted by items, keep logits and labels if wanted."""
+    """Run `forward` on every batch; sum the losses weighted by items (a loss of None: a batch without labels,
+    left out), keep logits and labels if wanted."""
     part = Part()
     for batch in batches:
         loss, outputs, inputs, items = forward(batch)
-        part.loss_sum += loss.double().item() * items
-        part.items += items
+        if loss is not None:
+            part.loss_sum += loss.double().item() * items
+            part.items += items
         if want_predictions:
-            part.predictions.append(model_io.logits_of(outputs).float().cpu().numpy())
+            logits = model_io.logits_of(outputs).detach()
+            # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
+            part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
             labels = model_io.labels_of(inputs)
             if labels is not None:
                 part.labels.append(labels.cpu().numpy())
@@ -72,12 +76,34 @@ def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
                compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
                device: torch.device) -> dict[str, float]:
     """{prefix}_loss over every rank's samples, and compute_metrics' results on them all (prefixed)."""
-    loss_sum, items = sum_over_ranks(comm, [part.loss_sum, part.items], f"{prefix} loss", device)
-    metrics = {f"{prefix}_loss": loss_sum / max(items, 1.0)}
+    loss, _ = _loss_over_ranks(comm, part, prefix, device)
+    metrics = {f"{prefix}_loss": loss}
     if compute_metrics is not None:
-        found = compute_metrics(gather_predictions(comm, part, indices))
-        metrics.update({f"{prefix}_{k}": float(v) for k, v in found.items()})
+        metrics.update(_prefixed(compute_metrics(gather_predictions(comm, part, indices)), prefix))
     return metrics
+
+
+def predictions_over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
+                           compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
+                           device: torch.device) -> tuple[EvalPrediction, dict[str, float]]:
+    """predict's: every rank's predictions in dataset order, on every rank; {prefix}_loss where some batch had
+    labels; compute_metrics' results (prefixed) where there are labels to compare with."""
+    prediction = gather_predictions(comm, part, indices)
+    loss, items = _loss_over_ranks(comm, part, prefix, device)
+    metrics = {f"{prefix}_loss": loss} if items else {}  # no batch had labels: no loss to report
+    if compute_metrics is not None and prediction.label_ids is not None:
+        metrics.update(_prefixed(compute_metrics(prediction), prefix))
+    return prediction, metrics
+
+
+def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) -> tuple[float, float]:
+    """The mean loss over every rank's items, and how many items there were."""
+    loss_sum, items = sum_over_ranks(comm, [part.loss_sum, part.items], f"{prefix} loss", device)
+    return loss_sum / max(items, 1.0), items
+
+
+def _prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:
+    return {f"{prefix}_{k}": float(v) for k, v in found.items()}
 
 
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
@@ -93,4 +119,4 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     return EvalPrediction(preds, label_ids)
 
 
-__all__ = ["Part", "accumulate", "gather_predictions", "over_ranks", "shard"]
+__all__ = ["Part", "accumulate", "gather_predictions", "over_ranks", "predictions_over_ranks", "shard"]

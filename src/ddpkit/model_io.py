@@ -47,7 +47,8 @@ def logits_of(outputs: Any) -> torch.Tensor:
         return outputs[1]
     logits = getattr(outputs, "logits", None)
     if logits is None:
-        raise ValueError("compute_metrics needs logits: return them as 'logits' (dict or attribute) or second")
+        raise ValueError("predictions (Trainer.predict, compute_metrics) need logits: return them as 'logits' "
+                         "(dict or attribute) or second")
     return logits
 
 

@@ -16,6 +16,15 @@ class EvalPrediction(NamedTuple):
     label_ids: np.ndarray | None
 
 
+class PredictionOutput(NamedTuple):
+    """What Trainer.predict returns: every sample's predictions once, in dataset order; label_ids where the
+    batches had labels; the metrics (the loss where they had labels, compute_metrics', the speed)."""
+
+    predictions: np.ndarray
+    label_ids: np.ndarray | None
+    metrics: dict[str, float]
+
+
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
@@ -76,4 +85,4 @@ class TrainerState:
         return any(key in e and e.get("step") == step for e in self.log_history)
 
 
-__all__ = ["EvalPrediction", "TrainOutput", "TrainerState"]
+__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState"]

@@ -26,6 +26,7 @@ trainer_state.json (state.py), the timeline (timeline.py); every collective is a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import random
@@ -51,7 +52,7 @@ from .loop import TrainingLoop
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
-from .state import EvalPrediction, TrainerState, TrainOutput
+from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import CHECKPOINT, EVALUATION, attach_timeline
 from .window import StopRequest, Window
 from .wrap import prepare_model
@@ -327,10 +328,30 @@ class Trainer:
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def _evaluation_forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any, int]:
+    def predict(self, test_dataset: Dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Transformers': the model's predictions (logits) for every sample exactly once, in dataset order, on
+        every rank, with the labels and the loss where the batches have labels; call it on every rank."""
+        if test_dataset is None or len(test_dataset) == 0:
+            raise ValueError("Trainer.predict needs a test_dataset with at least one sample")
+        start = time.perf_counter()
+        mine = evaluation.shard(len(test_dataset), self.world.rank, self.world.world_size)
+        with evaluation.eval_mode(self.model):
+            part = evaluation.accumulate(self.get_eval_dataloader(test_dataset, mine),
+                                         functools.partial(self._evaluation_forward, loss_needed=False), True)
+        prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
+                                                                self.compute_metrics, self.world.device)
+        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(test_dataset))
+        self._fire("on_predict", metrics=metrics)
+        return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
+
+    def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> tuple[torch.Tensor | None, Any, Any,
+                                                                                  int]:
         inputs = self._prepare_inputs(batch)
         with torch.no_grad(), self.precision.autocast():
-            loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
+            if loss_needed or model_io.labels_of(inputs) is not None:
+                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
+            else:  # predict on a batch without labels: the predictions only
+                loss, outputs = None, model_io.call_model(self.model, inputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, inputs, self.count_items(inputs)
 
@@ -363,5 +384,5 @@ def _data_seed(args: TrainingArguments) -> int:
     return args.seed if args.data_seed is None else args.data_seed
 
 
-__all__ = ["EvalPrediction", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState",
-           "get_scheduler", "set_seed", "write_loss_curve"]
+__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl",
+           "TrainerState", "get_scheduler", "set_seed", "write_loss_curve"]
