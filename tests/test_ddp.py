@@ -109,14 +109,11 @@ class Checkpointed(torch.nn.Module):
         return self.head(h)
 
 
-def silent_cases(world, eager_numel=None):
+def _unused_first_then_two_backwards(r, n, report):
+    """(a) a parameter unused in the first iteration, default flags; (b) two forwards, then two separate
+    backward() calls."""
     import ddpkit
 
-    _set_eager(eager_numel)
-    r, n = world.rank, world.world_size
-    report = {}
-
-    # (a) a parameter unused in the first iteration, default flags.
     torch.manual_seed(1)
     model = models.Branchy()
     ref = copy.deepcopy(model)
@@ -132,7 +129,6 @@ def silent_cases(world, eager_numel=None):
     assert ddp.module.never.weight.grad is None
     report["a"] = fingerprint(ddp.module)
 
-    # (b) two forwards, then two separate backward() calls.
     torch.manual_seed(2)
     model = models.MLP()
     ref = copy.deepcopy(model)
@@ -152,7 +148,12 @@ def silent_cases(world, eager_numel=None):
         assert_close_grads(grads_of(ddp.module), grads_of(ref), f"(b) step {step}")
     report["b"] = fingerprint(ddp.module)
 
-    # (c) one layer run twice under reentrant activation checkpointing.
+
+def _layer_run_twice(r, n, report):
+    """(c) one layer run twice under reentrant activation checkpointing; then a backward that uses the layer
+    more often than the first iteration did must fail in that iteration, never reduce a stale bucket silently."""
+    import ddpkit
+
     torch.manual_seed(3)
     model = Checkpointed()
     ref = copy.deepcopy(model)
@@ -169,14 +170,19 @@ def silent_cases(world, eager_numel=None):
         (truth / n).backward()
         assert_close_grads(grads_of(ddp.module), grads_of(ref), f"(c) step {step}")
     report["c"] = fingerprint(ddp.module)
-    # A backward that uses the layer more often than the first iteration did must fail in that iteration,
-    # never reduce a stale bucket silently.
     x = torch.randn(SHARD, 6)
     try:
         ddp(x, uses=3).sum().backward()
         report["c_changed"] = "no error"
     except RuntimeError as exc:
         report["c_changed"] = str(exc)
+
+
+def silent_cases(world, eager_numel=None):
+    _set_eager(eager_numel)
+    report = {}
+    _unused_first_then_two_backwards(world.rank, world.world_size, report)
+    _layer_run_twice(world.rank, world.world_size, report)
     return report
 
 
@@ -286,17 +292,14 @@ class Gated(torch.nn.Module):
         return h * self.gate if use_gate else h
 
 
-def review_regressions(world):
+def _worst(pairs):
+    return max((p.grad - q.grad).abs().max().item() for p, q in pairs if q.grad is not None)
+
+
+def _two_wrappers_in_one_backward(r, n, mine, errors):
+    """The inner one's gate used on rank 0 only: their collectives must pair up."""
     import ddpkit
 
-    r, n = world.rank, world.world_size
-    mine = slice(2 * r, 2 * r + 2)
-    errors = {}
-
-    def worst(pairs):
-        return max((p.grad - q.grad).abs().max().item() for p, q in pairs if q.grad is not None)
-
-    # Two wrappers in one backward, the inner one's gate used on rank 0 only: their collectives must pair up.
     torch.manual_seed(0)
     a, b = Gated(), Gated()
     ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
@@ -307,10 +310,16 @@ def review_regressions(world):
         x = torch.randn(2 * n, 4, generator=torch.Generator().manual_seed(step))
         inner(outer(x[mine]), use_gate=r == 0).sum().backward()
         (sum(ref_b(ref_a(x[2 * k:2 * k + 2]), use_gate=k == 0).sum() for k in range(n)) / n).backward()
-        errors[f"two wrappers step {step}"] = worst(zip([*a.parameters(), *b.parameters()],
-                                                        [*ref_a.parameters(), *ref_b.parameters()]))
+        errors[f"two wrappers step {step}"] = _worst(zip([*a.parameters(), *b.parameters()],
+                                                         [*ref_a.parameters(), *ref_b.parameters()]))
 
-    # find_unused_parameters with reentrant checkpointing: the walk cannot see inside the checkpoint.
+
+def _checkpointed(n, mine, errors):
+    """find_unused_parameters with reentrant checkpointing (the walk cannot see inside the checkpoint); then
+    gradient_as_bucket_view with a gradient large enough to be divided in its hook, accumulated twice; then an
+    in-place change to the wrapper's output, as torch's wrapper allows."""
+    import ddpkit
+
     torch.manual_seed(1)
     model = Checkpointed()
     ref = copy.deepcopy(model)
@@ -321,9 +330,8 @@ def review_regressions(world):
             p.grad = None
         ddp(x[mine]).sum().backward()
         (sum(ref(x[2 * k:2 * k + 2]).sum() for k in range(n)) / n).backward()
-        errors[f"find_unused + reentrant step {step}"] = worst(zip(model.parameters(), ref.parameters()))
+        errors[f"find_unused + reentrant step {step}"] = _worst(zip(model.parameters(), ref.parameters()))
 
-    # gradient_as_bucket_view, a gradient large enough to be divided in its hook, accumulated twice.
     _set_eager(0)
     torch.manual_seed(2)
     model = Checkpointed()
@@ -335,15 +343,19 @@ def review_regressions(world):
         ref.zero_grad(set_to_none=False)
         ddp(x[mine], uses=uses).sum().backward()
         (sum(ref(x[2 * k:2 * k + 2], uses=uses).sum() for k in range(n)) / n).backward()
-        errors[f"bucket view, uses {uses}, step {step}"] = worst(zip(model.parameters(), ref.parameters()))
+        errors[f"bucket view, uses {uses}, step {step}"] = _worst(zip(model.parameters(), ref.parameters()))
     _set_eager(1 << 15)
 
-    # In-place changes to the wrapper's output, as torch's wrapper allows.
     out = ddp(torch.randn(2, 6))
     out /= 2.0
     out.sum().backward()
 
-    # A backward that raised must not leave its parameter uses behind: a parameter no rank uses stays None.
+
+def _failed_backward_then_no_sync(r, errors):
+    """A backward that raised must not leave its parameter uses behind (a parameter no rank uses stays None);
+    no_sync is decided at forward time, as in torch."""
+    import ddpkit
+
     torch.manual_seed(3)
     model = models.Branchy()
     ddp = ddpkit.DistributedDataParallel(model)
@@ -359,7 +371,6 @@ def review_regressions(world):
     models.loss("branchy", ddp, x, y, 0, step=0).backward()  # late_branch unused on every rank
     errors["late_branch grad after a failed backward"] = model.late_branch.weight.grad
 
-    # no_sync is decided at forward time, as in torch.
     torch.manual_seed(4)
     model = models.MLP()
     ddp = ddpkit.DistributedDataParallel(model)
@@ -375,6 +386,15 @@ def review_regressions(world):
             with ddp.no_sync():
                 loss.backward()
         errors[f"no_sync forward inside={forward_inside}"] = model.net[0].weight.grad.sum().item()
+
+
+def review_regressions(world):
+    r, n = world.rank, world.world_size
+    mine = slice(2 * r, 2 * r + 2)
+    errors = {}
+    _two_wrappers_in_one_backward(r, n, mine, errors)
+    _checkpointed(n, mine, errors)
+    _failed_backward_then_no_sync(r, errors)
     return errors
 
 
