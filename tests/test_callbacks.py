@@ -3,9 +3,9 @@ decision can never part the ranks), a callback present on one rank only, and Tra
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -59,9 +59,17 @@ def test_handler_instantiates_classes_honours_returned_controls_and_refuses_non_
         def on_save(self, args, state, control, **kwargs):
             pass
 
-    handler = CallbackHandler([Replace, Theirs(), DuckTyped()])
-    assert [e for e in ("on_step_end", "on_log", "on_save", "on_evaluate", "on_step_begin") if handler.handles(e)] \
-        == ["on_step_end", "on_log", "on_save"]
+    class Acts:
+        def __call__(self, args, state, control, **kwargs):
+            pass
+
+    assigned = TrainerCallback()  # a partial and a callable object set on instances act too (a mock would)
+    assigned.on_epoch_end = functools.partial(print, end="")
+    assigned.on_train_end = Acts()
+    handler = CallbackHandler([Replace, Theirs(), DuckTyped(), assigned, transformers.TrainerCallback()])
+    events = ("on_step_end", "on_log", "on_save", "on_epoch_end", "on_train_end", "on_evaluate", "on_step_begin")
+    assert [e for e in events if handler.handles(e)] == ["on_step_end", "on_log", "on_save", "on_epoch_end",
+                                                          "on_train_end"]
 
 
 # -- in a world of two ---------------------------------------------------------------------------------------------
@@ -111,18 +119,26 @@ class OnlyLogs(TrainerCallback):
 
 def events_that_waited(trainer):
     """Train; the events before which the Trainer waited for stage 2's parameter gathers."""
-    waited, real = [], step.wait_for_params
+    waited, real_wait, real_fire, firing = [], step.wait_for_params, trainer._fire, []
 
-    def spy(optimizer):
-        waited.append(sys._getframe(1).f_locals.get("event"))  # _fire's event (None: not called from _fire)
-        real(optimizer)
+    def fire(event, **kwargs):
+        firing.append(event)
+        try:
+            real_fire(event, **kwargs)
+        finally:
+            firing.pop()
 
-    step.wait_for_params = spy
+    def wait(optimizer):
+        if firing:  # a wait from inside an event, not the Trainer's own (end of training, evaluation)
+            waited.append(firing[-1])
+        real_wait(optimizer)
+
+    step.wait_for_params, trainer._fire = wait, fire
     try:
         trainer.train()
     finally:
-        step.wait_for_params = real
-    return sorted({e for e in waited if e is not None})
+        step.wait_for_params = real_wait
+    return sorted(set(waited))
 
 
 class StopInsideStep(TrainerCallback):
