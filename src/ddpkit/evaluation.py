@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,9 +33,11 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: int) -> None:
+def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: int, global_batch: int) -> None:
+    """Transformers' speed metrics; a step is one batch on every rank: ceil(samples / global_batch) of them."""
     metrics[f"{prefix}_runtime"] = runtime
     metrics[f"{prefix}_samples_per_second"] = samples / max(runtime, 1e-9)
+    metrics[f"{prefix}_steps_per_second"] = math.ceil(samples / global_batch) / max(runtime, 1e-9)
 
 
 def shard(n: int, rank: int, world_size: int) -> list[int]:
@@ -52,8 +55,11 @@ class Part:
     labels: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
-def accumulate(batches: Iterable, forward: Callable[[Any], tuple[torch.Tensor, Any, Any, int]],
-               want_predictions: bool) -> Part:
+ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, inputs, items) of one batch
+Forward = Callable[[Any], ForwardResult]
+
+
+def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> Part:
     """Run `forward` on every batch; sum the losses weighted by items (a loss of None: a batch without labels,
     left out), keep logits and labels if wanted."""
     part = Part()
@@ -63,7 +69,7 @@ def accumulate(batches: Iterable, forward: Callable[[Any], tuple[torch.Tensor, A
             part.loss_sum += loss.double().item() * items
             part.items += items
         if want_predictions:
-            logits = model_io.logits_of(outputs).detach()
+            logits = model_io.logits_of(outputs, with_loss=loss is not None).detach()
             # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
             part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
             labels = model_io.labels_of(inputs)
@@ -111,12 +117,21 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     local = (indices, np.concatenate(part.predictions) if part.predictions else None,
              np.concatenate(part.labels) if part.labels else None)
     shards = gather_objects(comm, local, "evaluation predictions")
+    _check_labels(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     preds = np.concatenate([s[1] for s in shards if s[1] is not None])[order]
     # Whether there are labels is every rank's question alike: a rank without samples has none of its own.
     labels = [s[2] for s in shards if s[2] is not None]
     label_ids = np.concatenate(labels)[order] if labels else None
     return EvalPrediction(preds, label_ids)
+
+
+def _check_labels(shards: list[tuple]) -> None:
+    """Labels for every prediction or for none (each rank sees every shard, so all raise alike, no hang)."""
+    counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else len(s[2])) for s in shards]
+    if any(labels for _, labels in counts) and any(labels != predictions for predictions, labels in counts):
+        raise ValueError("some batches of the dataset have labels and some do not: give every sample its labels "
+                         "(for a loss and compute_metrics) or none (predictions only)")
 
 
 __all__ = ["Part", "accumulate", "gather_predictions", "over_ranks", "predictions_over_ranks", "shard"]

@@ -40,11 +40,13 @@ def loss_of(outputs: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def logits_of(outputs: Any) -> torch.Tensor:
+def logits_of(outputs: Any, with_loss: bool = True) -> torch.Tensor:
+    """The logits: "logits" of a mapping or an object, or the element after the loss of a tuple (the first one
+    of a tuple without a loss, what a model given no labels returns)."""
     if isinstance(outputs, Mapping):
         return outputs["logits"]
     if isinstance(outputs, (list, tuple)):
-        return outputs[1]
+        return outputs[1 if with_loss else 0]
     logits = getattr(outputs, "logits", None)
     if logits is None:
         raise ValueError("predictions (Trainer.predict, compute_metrics) need logits: return them as 'logits' "

@@ -323,16 +323,22 @@ class Trainer:
                                          self.compute_metrics is not None)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
                                         self.world.device)
-        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(dataset))
+        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(dataset),
+                             self._eval_global_batch())
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset: Dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+    def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
         """Transformers': the model's predictions (logits) for every sample exactly once, in dataset order, on
-        every rank, with the labels and the loss where the batches have labels; call it on every rank."""
+        every rank, with the labels and the loss where the batches have labels; call it on every rank. The
+        predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
         if test_dataset is None or len(test_dataset) == 0:
             raise ValueError("Trainer.predict needs a test_dataset with at least one sample")
+        if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
+            raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
+                             f"got {ignore_keys!r}")
         start = time.perf_counter()
         mine = evaluation.shard(len(test_dataset), self.world.rank, self.world.world_size)
         with evaluation.eval_mode(self.model):
@@ -340,12 +346,15 @@ class Trainer:
                                          functools.partial(self._evaluation_forward, loss_needed=False), True)
         prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
                                                                 self.compute_metrics, self.world.device)
-        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(test_dataset))
+        evaluation.add_speed(metrics, metric_key_prefix, time.perf_counter() - start, len(test_dataset),
+                             self._eval_global_batch())
         self._fire("on_predict", metrics=metrics)
         return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
 
-    def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> tuple[torch.Tensor | None, Any, Any,
-                                                                                  int]:
+    def _eval_global_batch(self) -> int:
+        return self.args.per_device_eval_batch_size * self.world.world_size
+
+    def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> evaluation.ForwardResult:
         inputs = self._prepare_inputs(batch)
         with torch.no_grad(), self.precision.autocast():
             if loss_needed or model_io.labels_of(inputs) is not None:
