@@ -51,9 +51,9 @@ def rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store
                               f"{info.world_size}: start exactly that many processes (ddpkit launch "
                               "--nproc-per-node N), or check that every node can reach MASTER_ADDR") from exc
         raise
-    store = _fresh_prefix(store, info)
-    _wait_for_everyone(store, info, join_timeout)
-    return store
+    mine = _fresh_prefix(store, info)
+    _wait_for_everyone(mine, info, join_timeout, store)
+    return mine
 
 
 def _fresh_prefix(store: dist.Store, info: LaunchInfo) -> dist.Store:
@@ -63,14 +63,21 @@ def _fresh_prefix(store: dist.Store, info: LaunchInfo) -> dist.Store:
     script): both get their own prefix. Without it the second group's gloo read the first one's addresses;
     under torchrun a loop of init and destroy timed out in its third round, and torch's own init in its
     second (test_launch). Each rank counts its own makings in the store: every rank makes the group as many
-    times as the others (no group forms otherwise), so the counts agree."""
-    made = store.add(f"ddpkit/attempt_{info.restart}/made/{info.rank}", 1)
+    times as the others (no group forms otherwise), so the counts agree; where they do not (a rank retried a
+    failed init), the join's timeout names the counts."""
+    made = store.add(_made_key(info, info.rank), 1)
     return dist.PrefixStore(f"ddpkit/attempt_{info.restart}/{made}/", store)
 
 
-def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: datetime.timedelta) -> None:
-    """Every process counts itself in (under this group's own prefix); too few within the join timeout is a
-    launch error. (A rank >= WORLD_SIZE is caught when the environment is read.)"""
+def _made_key(info: LaunchInfo, rank: int) -> str:
+    return f"ddpkit/attempt_{info.restart}/made/{rank}"
+
+
+def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: datetime.timedelta,
+                       shared: dist.Store) -> None:
+    """Every process counts itself in (under this group's own prefix, `shared` being the store without it); too
+    few within the join timeout is a launch error. (A rank >= WORLD_SIZE is caught when the environment is
+    read.)"""
     key = "ddpkit/joined"
     arrived = store.add(key, 1)
     deadline = time.monotonic() + join_timeout.total_seconds()
@@ -78,6 +85,11 @@ def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: dateti
         time.sleep(0.05)
         arrived = store.add(key, 0)
     if arrived < info.world_size:
+        made = {rank: shared.add(_made_key(info, rank), 0) for rank in range(info.world_size)}
+        if len({count for count in made.values() if count}) > 1:
+            raise LaunchError(f"the ranks made the process group different numbers of times ({made}: rank: "
+                              "times), so they wait for each other under different names. Every rank must make "
+                              "and destroy it alike; a rank whose init failed and was retried counts twice")
         raise LaunchError(f"only {arrived} of the {info.world_size} processes that WORLD_SIZE announces joined "
                           f"within {join_timeout.total_seconds():g} s. Start exactly WORLD_SIZE processes "
                           "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE")
