@@ -9,16 +9,18 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 import models
+from conftest import stay_until, two_at_a_time
 from spawn import run_world
 
 TIMEOUT_S = 8  # the collective timeout (ddp_timeout) of these worlds
 STALL_S = 2  # the inspector's threshold
 
 
-def sleeper_in_a_step(world):
+def sleeper_in_a_step(world, done):
     """Rank 1 sleeps inside its third step while rank 0 waits for it in a bucket all-reduce."""
     import ddpkit
 
@@ -30,25 +32,31 @@ def sleeper_in_a_step(world):
             x, y = models.batch("mlp", 4, seed=step)
             loss = models.loss("mlp", ddp, x, y, world.rank, step)
             if world.rank == 1 and step == 2:
-                time.sleep(TIMEOUT_S + 6)  # the culprit: far longer than the timeout
+                # the culprit: away until rank 0 has given up (at its timeout), or far longer than the timeout
+                stay_until(done, TIMEOUT_S + 6)
+                return ("stayed away", 0.0, "")
             start = time.monotonic()
             loss.backward()
     except ddpkit.StallError as exc:
         return ("stall", time.monotonic() - start, str(exc))
-    except Exception as exc:  # noqa: BLE001 - the sleeper finds its peer gone
+    except Exception as exc:  # noqa: BLE001 - any other error is the wrong outcome, shown as it is
         return ("other", 0.0, f"{type(exc).__name__}: {exc}")
+    finally:
+        if world.rank == 0:
+            open(done, "w").close()
     return ("finished", 0.0, "")
 
 
-def test_stall_names_the_rank_and_the_collective():
-    rank0, _ = run_world(sleeper_in_a_step, 2, collective_timeout_s=TIMEOUT_S, stall_seconds=STALL_S,
-                         deadline_s=90)
+def test_stall_names_the_rank_and_the_collective(tmp_path):
+    rank0, _ = run_world(sleeper_in_a_step, 2, args=(str(tmp_path / "done"),), collective_timeout_s=TIMEOUT_S,
+                         stall_seconds=STALL_S, deadline_s=90)
     kind, waited, text = rank0
     assert kind == "stall", rank0
     assert waited <= TIMEOUT_S + 5, f"the error came {waited:.1f} s after the wait began"
     assert "ranks that never arrived: [1]" in text, text
     assert "all_reduce (bucket" in text and "backward 3" in text, text
-    assert "sleeper_in_a_step" in text and "time.sleep" in text, text  # rank 1's stack, down to the line
+    # rank 1's stack, down to the line it sleeps on
+    assert "sleeper_in_a_step" in text and "stay_until(done" in text and "time.sleep" in text, text
 
 
 MISMATCH_SCRIPT = textwrap.dedent("""
@@ -186,8 +194,11 @@ def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
 HANDLED_PEER_FAILURE = textwrap.dedent("""
     import time
     import torch.distributed as dist
-    from ddpkit.monitor import PeerFailedError, StallMonitor, PEER_FAILURE_GRACE_S
+    from ddpkit import monitor as inspector
+    from ddpkit.monitor import PeerFailedError, StallMonitor
 
+    # the monitor looks again at the end of each grace period (5 s); a 1 s one looks twice during the handling
+    inspector.PEER_FAILURE_GRACE_S = PEER_FAILURE_GRACE_S = 1.0
     store = dist.HashStore()
     monitor = StallMonitor(store, rank=0, world_size=2, threshold_s=60, poll_s=0.2)
     store.set("ddpkit/monitor/failed/1", "Traceback: rank 1 ran out of memory")
@@ -251,11 +262,22 @@ def test_a_resolved_stall_is_not_blamed_later_and_the_rank_that_left_is():
 MISBEHAVE = str(os.path.join(os.path.dirname(__file__), "scripts", "misbehave.py"))
 
 
-def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(tmp_path):
+@pytest.fixture(scope="module")
+def misbehaved(tmp_path_factory):
+    """Both launches of misbehave.py, side by side (each keeps its deadline): by mode, its finished future."""
     from test_launch import LAUNCH, run
 
-    result = run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", "eval_on_rank0", "--output_dir",
-                  str(tmp_path)], timeout=150)
+    def launch(mode, *extra):
+        out = tmp_path_factory.mktemp(mode)
+        return lambda: run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", mode, *extra, "--output_dir",
+                            str(out)], timeout=150)
+
+    return two_at_a_time({"eval_on_rank0": launch("eval_on_rank0"),
+                          "leave_early": launch("leave_early", "--leave_at_step", "3")})
+
+
+def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(misbehaved):
+    result = misbehaved["eval_on_rank0"].result()
     entered = max(float(t) for t in re.findall(r"ENTER \d ([\d.]+)", result.out))
     print(f"last rank entered the mismatched collective -> launcher exited: {result.ended - entered:.2f} s")
     assert result.rc == 1, result.err
@@ -268,11 +290,8 @@ def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(tmp_path):
     assert result.ended - entered < 30, result.ended - entered
 
 
-def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(tmp_path):
-    from test_launch import LAUNCH, run
-
-    result = run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", "leave_early", "--leave_at_step", "3",
-                  "--output_dir", str(tmp_path)], timeout=150)
+def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(misbehaved):
+    result = misbehaved["leave_early"].result()
     left = float(re.search(r"LEAVING 1 ([\d.]+)", result.out).group(1))
     print(f"rank 1 left -> launcher exited: {result.ended - left:.2f} s")
     assert result.rc == 1, result.err
@@ -289,30 +308,33 @@ def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def long_sleeper(world):
-    """Rank 1 sleeps past the 10 s timeout; rank 0 waits in a barrier, explained at 1, 2, 4 and 8 s."""
+def long_sleeper(world, done):
+    """Rank 1 sleeps past the 10 s timeout (until rank 0 is done, at most 14 s); rank 0 waits in a barrier,
+    explained at 1, 2, 4 and 8 s."""
     import ddpkit
 
     comm = ddpkit.Comm.for_group()
     if world.rank == 1:
-        time.sleep(14)
+        stay_until(done, 14)
         return "slept"
     start = time.monotonic()
     try:
         comm.barrier("after the long load")
     except ddpkit.StallError as exc:
         return (time.monotonic() - start, type(exc).__name__, str(exc))
+    finally:
+        open(done, "w").close()
     return "no error"
 
 
-def test_a_long_wait_is_explained_at_growing_intervals_then_times_out(capfd):
-    outcome, _ = run_world(long_sleeper, 2, collective_timeout_s=10, stall_seconds=1, deadline_s=90,
-                           expect_errors=True)
+def test_a_long_wait_is_explained_at_growing_intervals_then_times_out(capfd, tmp_path):
+    outcome, _ = run_world(long_sleeper, 2, args=(str(tmp_path / "done"),), collective_timeout_s=10,
+                           stall_seconds=1, deadline_s=90, expect_errors=True)
     status, value = outcome
     assert status == "ok", value
     waited, kind, text = value
     assert kind == "StallError" and 9 <= waited <= 15, value  # still ends at the timeout, with the explanation
-    assert "ranks that never arrived: [1]" in text and "time.sleep(14)" in text, text
+    assert "ranks that never arrived: [1]" in text and "stay_until(done, 14)" in text, text
     printed = [float(s) for s in re.findall(r"\[ddpkit rank 0\] rank 0 has waited (\d+) s in collective",
                                             capfd.readouterr().err)]
     assert len(printed) == 4, printed  # at 1, 2, 4 and 8 s (16 s is past the timeout)
