@@ -194,13 +194,13 @@ def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
 HANDLED_PEER_FAILURE = textwrap.dedent("""
     import time
     import torch.distributed as dist
-    from ddpkit import monitor as inspector
     from ddpkit.monitor import PeerFailedError, StallMonitor
 
-    # the monitor looks again at the end of each grace period (5 s); a 1 s one looks twice during the handling
-    inspector.PEER_FAILURE_GRACE_S = PEER_FAILURE_GRACE_S = 1.0
+    # the monitor looks again at the end of each grace period (5 s by default); a 1 s one looks twice during
+    # the handling
+    GRACE_S = 1.0
     store = dist.HashStore()
-    monitor = StallMonitor(store, rank=0, world_size=2, threshold_s=60, poll_s=0.2)
+    monitor = StallMonitor(store, rank=0, world_size=2, threshold_s=60, poll_s=0.2, grace_s=GRACE_S)
     store.set("ddpkit/monitor/failed/1", "Traceback: rank 1 ran out of memory")
     store.add("ddpkit/monitor/failures", 1)
     try:
@@ -208,7 +208,7 @@ HANDLED_PEER_FAILURE = textwrap.dedent("""
             time.sleep(0.05)
     except PeerFailedError:
         print("caught", flush=True)
-    time.sleep(PEER_FAILURE_GRACE_S + 2)  # handling it (an emergency save, say), in no collective
+    time.sleep(GRACE_S + 2)  # handling it (an emergency save, say), in no collective
     print("handled", flush=True)
 """)
 

@@ -95,7 +95,8 @@ class StallMonitor:
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, threshold_s: float, prefix: str = "",
-                 poll_s: float = POLL_S, exit_on_peer_failure: bool = True):
+                 poll_s: float = POLL_S, exit_on_peer_failure: bool = True,
+                 grace_s: float = PEER_FAILURE_GRACE_S):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -103,6 +104,7 @@ class StallMonitor:
         self.prefix = f"ddpkit/monitor/{prefix}"
         self.poll_s = poll_s
         self.exit_on_peer_failure = exit_on_peer_failure
+        self.grace_s = grace_s  # how long a main thread told of a failure may take to stop by itself
         self.host = socket.gethostname()
         self.main_thread = threading.main_thread()
         self.waiting: tuple[int, str, str, float, int] | None = None  # (seq, op, what, since, wait number)
@@ -305,7 +307,7 @@ class StallMonitor:
         print(f"[ddpkit rank {self.rank}] {report}\n[ddpkit rank {self.rank}] no rank can progress: ending the "
               "job now", file=sys.stderr, flush=True)
         if not ender:
-            if self._stop.wait(PEER_FAILURE_GRACE_S) or self.waiting is None or self.waiting[4] != waiting["id"]:
+            if self._stop.wait(self.grace_s) or self.waiting is None or self.waiting[4] != waiting["id"]:
                 return  # the collective broke and the main thread raised the report
         frame = sys._current_frames().get(self.main_thread.ident)
         record_unraised(error, "".join(traceback.format_stack(frame)) if frame else "")
@@ -341,7 +343,7 @@ class StallMonitor:
             return
         _raise_in_thread(self.main_thread, PeerFailedError)
         # Wait on our own stop event, not on the main thread: at exit, close() must find this thread gone.
-        while not self._stop.wait(PEER_FAILURE_GRACE_S):
+        while not self._stop.wait(self.grace_s):
             if not self.main_thread.is_alive():
                 return
             if self.waiting is not None:  # stuck in a collective that would only end at the timeout
