@@ -102,17 +102,9 @@ def test_transformers_trainer_trains_with_ours_as_with_torchs(swap_runs):
 
 
 # -- torch's contract beyond the training loop: pickling, ignored parameters, buffers at init, torch's hooks -------
-def drop_in_world(world):
-    import copy
-    import io
-
-    import torch
-
-    import ddpkit
+def _mlp_step(r, n):
+    """One step of a wrapper against one process on the concatenated batch: the largest gradient difference."""
     import models
-
-    r, n = world.rank, world.world_size
-    out = {}
 
     def step(ddp, ref, seed):
         x, y = models.batch("mlp", 4 * n, seed=seed)
@@ -122,7 +114,19 @@ def drop_in_world(world):
         (sum(models.loss("mlp", ref, x[4 * k:4 * k + 4], y[4 * k:4 * k + 4], k, 0) for k in range(n)) / n).backward()
         return max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.module.parameters(), ref.parameters()))
 
-    # torch.save of the whole wrapper, loaded back: a fresh reducer on the default group that trains as before.
+    return step
+
+
+def _pickled(step, out):
+    """torch.save of the whole wrapper, loaded back: a fresh reducer on the default group that trains as before."""
+    import copy
+    import io
+
+    import torch
+
+    import ddpkit
+    import models
+
     torch.manual_seed(0)
     model = models.MLP()
     ref = copy.deepcopy(model)
@@ -144,7 +148,15 @@ def drop_in_world(world):
     except RuntimeError as exc:
         out["other group"] = str(exc)
 
-    # torch's ignore list: the named parameter and buffer are neither reduced nor broadcast.
+
+def _ignored_and_buffers(r, out):
+    """torch's ignore list (the named parameter and buffer are neither reduced nor broadcast); buffers at
+    construction: broadcast_buffers=False keeps them out, forward_sync_buffers=False does not."""
+    import torch
+
+    import ddpkit
+    import models
+
     torch.manual_seed(1 + r)  # every rank another model: what init broadcasts shows
     model = models.ConvBN()
     with torch.no_grad():
@@ -156,8 +168,6 @@ def drop_in_world(world):
     out["kept weight"] = model.head.weight.tolist()
     out["ignored buffer"] = model.bn1.running_mean.tolist()
     out["ignored in plan"] = any("head.bias" in bucket for bucket in ddp.bucket_plan)
-
-    # Buffers at construction: broadcast_buffers=False keeps them out, forward_sync_buffers=False does not.
     for label, kwargs in (("broadcast_buffers=False", {"broadcast_buffers": False}),
                           ("forward_sync_buffers=False", {"forward_sync_buffers": False})):
         model = models.ConvBN()
@@ -167,6 +177,19 @@ def drop_in_world(world):
         out[label] = (model.bn1.running_var[0].item(), ddp.will_sync_module_buffers())
     out["will sync by default"] = ddpkit.DistributedDataParallel(models.ConvBN()).will_sync_module_buffers()
 
+
+def drop_in_world(world):
+    import copy
+
+    import torch
+
+    import ddpkit
+    import models
+
+    out = {}
+    step = _mlp_step(world.rank, world.world_size)
+    _pickled(step, out)
+    _ignored_and_buffers(world.rank, out)
     # torch's built-in comm hook, logging data.
     torch.manual_seed(2)
     model = models.MLP()
