@@ -54,10 +54,12 @@ def predictions(trainer, out):
     labelled = trainer.predict(test)
     bare = trainer.predict([{"x": s["x"]} for s in test], metric_key_prefix="bare")
     one = trainer.predict(classification_data(1, seed=1))
+    positional = trainer.predict([(s["x"], s["labels"]) for s in test])  # labels the model takes by position
     trainer.model.eval()
     with torch.no_grad():
         truth = trainer.model(x, y)
-    found = {"labelled": tuple(labelled), "bare": tuple(bare), "one": (one.predictions.shape, sorted(one.metrics)),
+    found = {"labelled": tuple(labelled), "bare": tuple(bare), "positional": tuple(positional),
+             "one": (one.predictions.shape, sorted(one.metrics)),
              "seen": callback.seen, "batches": callback.batches, "logits": truth["logits"].numpy(),
              "loss": truth["loss"].item(), "labels": y.numpy()}
     torch.manual_seed(0)
@@ -91,9 +93,14 @@ def check_predictions(pred0, pred1):
         assert bare_labels is None
         assert sorted(bare_metrics) == ["bare_runtime", "bare_samples_per_second", "bare_steps_per_second"]
         assert pred["one"][0] == (1, 3) and "test_loss" in pred["one"][1]
+        # Positional labels: the model's own loss; no label_ids (nothing names them), so no compute_metrics.
+        by_position, no_ids, position_metrics = pred["positional"]
+        np.testing.assert_array_equal(by_position, predicted)
+        assert no_ids is None and abs(position_metrics["test_loss"] - pred0["loss"]) < 1e-12
+        assert "test_accuracy" not in position_metrics
         # on_predict got each call's metrics; a batch per call on each rank (rank 1 held none of the one sample).
-        assert pred["seen"][:2] == [sorted(metrics), sorted(bare_metrics)] and len(pred["seen"]) == 3
-        assert pred["batches"] == (2 if pred is pred1 else 3)
+        assert pred["seen"][:2] == [sorted(metrics), sorted(bare_metrics)] and len(pred["seen"]) == 4
+        assert pred["batches"] == (3 if pred is pred1 else 4)
         # A tuple without a loss: its first element is the logits; bfloat16 ones come as float32.
         np.testing.assert_allclose(pred["tuple"], pred["tuple truth"], rtol=0, atol=1e-12)
         assert pred["bf16"][0] == np.float32 and pred["bf16"][1] < 0.05

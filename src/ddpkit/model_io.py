@@ -40,9 +40,24 @@ def loss_of(outputs: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
+def carried_loss(outputs: Any) -> torch.Tensor | None:
+    """The scalar loss an output carries beside its predictions, or None: "loss" of a mapping or an object, the
+    first of a tuple of several whose first is a scalar (Transformers' (loss, logits, ...)). A bare tensor is
+    the predictions here, never a loss."""
+    if isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    elif isinstance(outputs, (list, tuple)):
+        loss = outputs[0] if len(outputs) > 1 else None
+    else:
+        loss = getattr(outputs, "loss", None)
+    return loss.reshape(()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
 def logits_of(outputs: Any, with_loss: bool = True) -> torch.Tensor:
     """The logits: "logits" of a mapping or an object, or the element after the loss of a tuple (the first one
-    of a tuple without a loss, what a model given no labels returns)."""
+    of a tuple without a loss, what a model given no labels returns; a bare tensor without a loss)."""
+    if isinstance(outputs, torch.Tensor) and not with_loss:
+        return outputs
     if isinstance(outputs, Mapping):
         return outputs["logits"]
     if isinstance(outputs, (list, tuple)):
@@ -81,5 +96,5 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-__all__ = ["IGNORE_INDEX", "batch_len", "call_model", "count_items", "labels_of", "logits_of", "loss_of",
-           "to_device"]
+__all__ = ["IGNORE_INDEX", "batch_len", "call_model", "carried_loss", "count_items", "labels_of", "logits_of",
+           "loss_of", "to_device"]

@@ -359,8 +359,9 @@ class Trainer:
         with torch.no_grad(), self.precision.autocast():
             if loss_needed or model_io.labels_of(inputs) is not None:
                 loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
-            else:  # predict on a batch without labels: the predictions only
-                loss, outputs = None, model_io.call_model(self.model, inputs)
+            else:  # predict on a batch without a "labels" key: a loss only if the model gave one (positional labels)
+                outputs = model_io.call_model(self.model, inputs)
+                loss = model_io.carried_loss(outputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, inputs, self.count_items(inputs)
 
