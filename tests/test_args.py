@@ -72,7 +72,8 @@ def test_fractional_intervals_and_derived_values():
                              gradient_accumulation_steps=3)
     assert args.interval("logging_steps", 95) == 10 and args.interval("save_steps", 95) == 24
     assert args.interval("eval_steps", 95) == 10
-    assert args.warmup_steps_for(95) == 10 and TrainingArguments(warmup_steps=3, warmup_ratio=0.5).warmup_steps_for(95) == 3
+    assert args.warmup_steps_for(95) == 10
+    assert TrainingArguments(warmup_steps=3, warmup_ratio=0.5).warmup_steps_for(95) == 3
     assert args.train_batch_size(world_size=2) == 24
 
 

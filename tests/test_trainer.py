@@ -282,9 +282,10 @@ def test_tuple_batches_with_an_items_aware_model_are_normalised(tmp_path, local_
     for batch, accum in ((8, 1), (2, 4)):
         torch.manual_seed(0)
         model = ItemsAware()
-        args = trainer_args(tmp_path / f"b{batch}", per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
-                     max_steps=1, learning_rate=0.1, lr_scheduler_type="constant", warmup_steps=0,
-                     max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, save_strategy="no")
+        args = trainer_args(tmp_path / f"b{batch}", per_device_train_batch_size=batch,
+                            gradient_accumulation_steps=accum, max_steps=1, learning_rate=0.1,
+                            lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, weight_decay=0.0,
+                            logging_steps=1, save_strategy="no")
         trainer = TupleTrainer(model, args, train_dataset=data)
         trainer.train()
         results.append((trainer.state.log_history[0]["loss"], params_of(model)))

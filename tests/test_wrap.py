@@ -30,7 +30,8 @@ def test_in_a_world_of_one_the_compiled_module_trains_and_the_plain_one_is_kept(
     world = single_process_env()
     model = Classifier()
     model.net[2].p = 0.0  # no dropout: the two ways must see the same network
-    plain, wrapped = prepare_model(model, trainer_args(tmp_path, torch_compile=True, torch_compile_backend="eager"), world)
+    args = trainer_args(tmp_path, torch_compile=True, torch_compile_backend="eager")
+    plain, wrapped = prepare_model(model, args, world)
     assert plain is model and wrapped is not model and wrapped._orig_mod is model
     assert ddp_of(wrapped) is None and ddp_of(model) is None
     # Accumulation on the compiled module of a world of one: no no_sync to ask for, the gradients of both add up.
