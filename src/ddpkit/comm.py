@@ -106,7 +106,7 @@ class Comm(Observed):
         """Sum (by default) the flat `input` over the group and leave this rank's equal share of the result,
         elements [rank * n, (rank + 1) * n) with n = output.numel(), in `output`. async_op as in all_reduce.
         rider: a small tensor summed whole over the group in place, in the same collective (the point-to-point
-        path only: the caller checks `pairwise` and the device; elsewhere it is an error)."""
+        path only: the caller checks `point_to_point`; elsewhere it is an error)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, it needs output's "
                              f"{output.numel()} times the world size {self.world_size}")
@@ -178,10 +178,15 @@ class Comm(Observed):
 
     # gloo's reduce-scatter and all-gather are slower than point-to-point messages (ddpkit.pairwise: the plans
     # and the figures); NCCL keeps its native collectives.
+    def point_to_point(self, device: torch.device) -> bool:
+        """Whether reduce-scatter and all-gather of tensors on `device` go as point-to-point messages (gloo's CPU
+        tensors), the path on which a reduce-scatter can carry a rider."""
+        return self.pairwise and device.type == "cpu"
+
     def _pairs(self, *tensors: torch.Tensor) -> bool:
-        """Whether the point-to-point path takes these tensors: CPU tensors, contiguous (the messages are flat
+        """Whether the point-to-point path takes these tensors: on its device, contiguous (the messages are flat
         views of them; gloo's own collectives take any layout), of one dtype (else gloo's refusal, below)."""
-        if not (self.pairwise and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
+        if not all(self.point_to_point(t.device) and t.is_contiguous() for t in tensors):
             return False
         if len({t.dtype for t in tensors}) > 1:  # received bytes would be read as the output's dtype: garbage
             raise RuntimeError(f"the output and input tensors must have the same dtype, got "

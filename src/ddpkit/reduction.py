@@ -134,7 +134,7 @@ class ReduceScatter(Reduction):
         self._outputs: dict[int, torch.Tensor] = {}  # bucket index -> its shard, from launch until finish
 
     def carries_usage(self, layout: Any) -> bool:
-        return self.comm.pairwise and layout.device.type == "cpu" and layout.dtype in FLAG_DTYPES
+        return self.comm.point_to_point(layout.device) and layout.dtype in FLAG_DTYPES
 
     def start(self, bucket: Bucket, what: str) -> Any:
         layout = bucket.layout
