@@ -25,15 +25,18 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def _loss_field(outputs: Any, shortest_tuple: int) -> Any:
+    """Where an output keeps its loss: "loss" of a mapping or an object, the first of a tuple at least
+    `shortest_tuple` long."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    if isinstance(outputs, (list, tuple)):
+        return outputs[0] if len(outputs) >= shortest_tuple else None
+    return getattr(outputs, "loss", None)
+
+
 def loss_of(outputs: Any) -> torch.Tensor:
-    if isinstance(outputs, torch.Tensor):
-        loss = outputs
-    elif isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-    elif isinstance(outputs, (list, tuple)):
-        loss = outputs[0] if outputs else None
-    else:
-        loss = getattr(outputs, "loss", None)
+    loss = outputs if isinstance(outputs, torch.Tensor) else _loss_field(outputs, 1)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("the model returned no scalar loss: return a loss tensor, a dict with 'loss' or an object "
                          "with .loss (give it the labels), or override Trainer.compute_loss")
@@ -44,12 +47,7 @@ def carried_loss(outputs: Any) -> torch.Tensor | None:
     """The scalar loss an output carries beside its predictions, or None: "loss" of a mapping or an object, the
     first of a tuple of several whose first is a scalar (Transformers' (loss, logits, ...)). A bare tensor is
     the predictions here, never a loss."""
-    if isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-    elif isinstance(outputs, (list, tuple)):
-        loss = outputs[0] if len(outputs) > 1 else None
-    else:
-        loss = getattr(outputs, "loss", None)
+    loss = None if isinstance(outputs, torch.Tensor) else _loss_field(outputs, 2)
     return loss.reshape(()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
