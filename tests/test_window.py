@@ -54,10 +54,7 @@ class Job:
         try:
             return self.proc.wait(deadline_s)
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self._reader.join(10)
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL to its session, if it still runs (a test that failed before finish)."""
