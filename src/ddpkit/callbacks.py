@@ -22,7 +22,6 @@ the whole agreed window of micro-batches, so that their all-reduces match.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 from .comm import Comm, flags_of_main, max_over_ranks
@@ -139,16 +138,6 @@ class CallbackHandler:
                 for key, value in states[index].get("attributes", {}).items():
                     setattr(callback, key, value)
 
-    def handles(self, event: str) -> bool:
-        """Whether some callback may do something at `event`: anything callable there but the very no-op of
-        ddpkit's or Transformers' TrainerCallback (a partial, a callable object or a mock counts as acting)."""
-        no_ops = {getattr(base, event, None) for base in _base_callbacks()}
-        for callback in self.callbacks:
-            method = getattr(callback, event, None)
-            if method is not None and getattr(method, "__func__", method) not in no_ops:
-                return True
-        return False
-
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for callback in self.callbacks:
             method = getattr(callback, event, None)
@@ -158,12 +147,6 @@ class CallbackHandler:
             if result is not None:  # a callback may return the control it changed (or another one)
                 control = result
         return control
-
-
-def _base_callbacks() -> list[type]:
-    """ddpkit's TrainerCallback, and Transformers' if its module is loaded (a callback of its kind loads it)."""
-    theirs = getattr(sys.modules.get("transformers.trainer_callback"), "TrainerCallback", None)
-    return [TrainerCallback] if theirs is None else [TrainerCallback, theirs]
 
 
 class Agreement:

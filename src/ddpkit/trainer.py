@@ -117,8 +117,6 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     def _fire(self, event: str, **kwargs: Any) -> None:
-        if self.callback_handler.handles(event):  # it may read the weights: stage 2's gathers land first (only
-            step.wait_for_params(self.optimizer)  # then: the others keep them in flight into the next forward)
         self.callback_handler.objects = {"model": self.model, "optimizer": self.optimizer,
                                          "lr_scheduler": self.lr_scheduler, "train_dataloader": None,
                                          "eval_dataloader": None}

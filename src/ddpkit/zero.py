@@ -23,7 +23,7 @@ Checkpoints that no rank has to hold whole are ddpkit.zero_checkpoint's (save_ch
 Stage 2 (DistributedDataParallel(zero_stage=2), see ddpkit.zero_grads): the wrapper reduce-scatters each bucket
 into this rank's shard during backward and drops the local .grad; this class then partitions by the reducer's
 buckets (built at the first step, after the first backward), steps on the shards and leaves the all-gathers of
-the updated parameters in flight until the next forward (or wait_for_params()).
+the updated parameters in flight until the parameters are first read (ddpkit.inflight).
 """
 
 from __future__ import annotations
@@ -198,14 +198,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return started
 
     def wait_for_params(self) -> None:
-        """Stage 2: wait for the parameter all-gathers the last step left in flight. The wrapper's next forward,
-        its check_replicas and the module's state_dict wait by themselves; call this before reading the
-        parameters any other way between step() and the next forward. (Stage 1 gathers within step().)"""
+        """Stage 2: wait for every parameter all-gather the last step left in flight. Reads through torch
+        functions wait by themselves (ddpkit.inflight); this is for code that reads a parameter's memory some
+        other way (a C extension, a view made before the step). (Stage 1 gathers within step().)"""
         if self.grad_shards is not None:
             self.grad_shards.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        with torch._C.DisableTorchFunctionSubclass():  # clearing .grad reads no value: in-flight gathers go on
+            super().zero_grad(set_to_none)
         if self.grad_shards is not None:
             self.grad_shards.zero_grad()
 

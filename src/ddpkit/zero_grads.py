@@ -7,30 +7,27 @@ would be), and drops the parameters' local .grad, so after backward a rank holds
 ZeroRedundancyOptimizer built on the module's parameters finds this object on them, steps on the shards and
 all-gathers the updated parameter shards bucket by bucket, asynchronously: they run while the caller does what
 comes between the step and the next forward (the scheduler, zero_grad, the next batch) and on into that
-forward. The wrapper's forward waits for a bucket only when its parameters are read: while it runs, a torch
-function mode (`WaitOnRead`) looks at every torch function's arguments (and into list and tuple arguments)
-and, when one is a parameter whose bucket is still being gathered, waits for that bucket before the function
-runs. So the first layer starts once its own bucket is in while the later buckets are still on the wire, and
-a module that reads a parameter it does not own (a weight tied by hand, `F.linear(x, self.other.weight)`)
-waits for that parameter's bucket just the same: no read, whichever module makes it, sees a stale value.
-Whatever no function read is waited for when the forward returns (or raises). Fallbacks that wait for every
-bucket first: under torch.compile (a mode inside a traced frame would be traced too), and when the module is
-called unwrapped (evaluation) or its state_dict is read (a checkpoint), through hooks on the module.
+forward. Until its bucket's gather is in, a parameter is held (ddpkit.inflight): the first torch function
+that reads it, in the forward or anywhere else (evaluation on the unwrapped module, a weight tied by hand as
+`F.linear(x, self.other.weight)`, an EMA, `p.detach()`), waits for that bucket first. So the first layer starts
+once its own bucket is in while the later buckets are still on the wire, and no read, whoever makes it, sees
+a stale value. The wrapper's forward waits for whatever it did not read when it returns (or raises), and for
+everything before it starts under torch.compile (a traced frame must see plain parameters); reading or
+loading the module's state_dict waits for everything too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .bucket import Bucket
 from .comm import Comm
+from .inflight import hold, release
 from .reduction import ReduceScatter
 from .zero_partition import Piece, UnitPlan
 
@@ -57,14 +54,12 @@ class GradShards:
         self.consumer: Any = None  # the ZeroRedundancyOptimizer stepping on these shards
         self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle) of its parameters' all-gather
         self.bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket's index
-        self._reading = False  # inside the wrapper's forward, where reads wait for their own bucket only
         for param in params:
             setattr(param, ATTRIBUTE, self)
-        # The module called directly (evaluation on the unwrapped model), its state_dict read (a checkpoint) or
-        # loaded (the receives land straight in the parameters: late ones would overwrite the loaded weights):
-        # all wait for the gathers too.
-        self._hooks = (module.register_forward_pre_hook(lambda *args: None if self._reading else self.wait_all()),
-                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
+        # The module's state_dict read (a checkpoint, perhaps keep_vars=True, handing out the parameters
+        # themselves) or loaded (the receives land straight in the parameters: late ones would overwrite the
+        # loaded weights): wait for every gather, whichever parameters the hooks of submodules touch first.
+        self._hooks = (module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
                        module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
     # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
@@ -109,13 +104,19 @@ class GradShards:
 
     # -- after the step: parameters gathered bucket by bucket -----------------------------------------------------
     def add_gather(self, index: int, unit: Any, handle: Any) -> None:
+        """Bucket `index`'s parameters are being gathered: the first read of any of them waits (ddpkit.inflight)."""
         self.gathers[index] = (unit, handle)
+        if hold(unit.params, lambda: self.wait(index)):
+            self.wait(index)  # some parameter could not be marked: no read of it may come first
 
     def wait(self, index: int) -> None:
         pending = self.gathers.pop(index, None)
         if pending is not None:
             unit, handle = pending
-            unit.finish_gather(handle)
+            try:
+                unit.finish_gather(handle)
+            finally:
+                release(unit.params)
 
     def wait_all(self) -> None:
         for index in sorted(self.gathers):
@@ -124,40 +125,12 @@ class GradShards:
     @contextlib.contextmanager
     def forward_reads(self) -> Iterator[None]:
         """Around the wrapper's forward: each read of a parameter waits for its own bucket (module docstring)."""
-        if not self.gathers or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
-            self.wait_all()  # nothing in flight, or torch.compile: no mode inside traced frames
-            yield
-            return
-        self._reading = True
+        if self.gathers and torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+            self.wait_all()  # torch.compile: a traced frame must see plain parameters
         try:
-            with WaitOnRead(self):
-                yield
+            yield
         finally:
-            self._reading = False
             self.wait_all()  # what no function read: the parameters of unused layers
-
-    def wait_for_args(self, args: tuple, kwargs: dict) -> None:
-        bucket_of = self.bucket_of
-        for arg in itertools.chain(args, kwargs.values()):
-            for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
-                index = bucket_of.get(id(tensor))
-                if index is not None and index in self.gathers:
-                    self.wait(index)
-
-
-class WaitOnRead(TorchFunctionMode):
-    """A torch function handed a parameter whose bucket is still being gathered waits for that bucket first.
-    (Inside this method the mode is off, so the wait's own torch calls do not come back here.)"""
-
-    def __init__(self, shards: GradShards):
-        super().__init__()
-        self.shards = shards
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if self.shards.gathers:
-            self.shards.wait_for_args(args, kwargs)
-        return func(*args, **kwargs)
 
 
 def unit_plan(layout: Any) -> UnitPlan:

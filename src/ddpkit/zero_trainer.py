@@ -38,8 +38,8 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
 
 
 def wait_for_params(optimizer: torch.optim.Optimizer | None) -> None:
-    """Make the parameters final: stage 2 all-gathers the updated shards until the next forward, so a caller
-    reading model.parameters() after training would see the step before the last one on most elements."""
+    """Make the parameters final: stage 2 leaves the last all-gathers in flight (torch functions reading a
+    parameter wait for them; code reading its memory otherwise would see the step before the last one)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
 

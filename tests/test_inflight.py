@@ -1,0 +1,113 @@
+"""ddpkit.inflight: a held parameter's first read, whatever makes it, waits for its gather; clearing .grad does not."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.inflight import InFlight, hold, land, release
+
+
+def _held(module: nn.Module, fail: bool = False):
+    """Hold the module's parameters as if their gather were in flight: landing writes their new values (what
+    the gather brings, here the old ones + 1) and counts itself. Returns the new values and the count."""
+    params = list(module.parameters())
+    new = [p.detach() + 1 for p in params]
+    calls = []
+
+    def land_them():
+        calls.append(1)
+        release(params)
+        if fail:
+            raise RuntimeError("the gather timed out")
+        with torch.no_grad():
+            for param, value in zip(params, new):
+                param.copy_(value)
+
+    assert hold(params, land_them) == []
+    assert all(type(p) is InFlight and isinstance(p, nn.Parameter) for p in params)
+    return new, calls
+
+
+READS = {
+    "forward": lambda m: m(torch.ones(2, 3)).detach(),
+    "detach": lambda m: m.weight.detach().clone(),
+    "data": lambda m: m.weight.data.clone(),
+    "arithmetic": lambda m: (m.weight + 0).detach(),
+    "foreach": lambda m: torch._foreach_mul([m.weight, m.bias], 1.0)[0].detach(),
+    "state_dict": lambda m: m.state_dict()["weight"].clone(),
+    "deepcopy": lambda m: copy.deepcopy(m).weight.detach(),
+    "torch.save": lambda m: _roundtrip(m.weight).detach(),
+    "item": lambda m: torch.tensor(m.weight[0, 0].item()),
+}
+
+
+def _roundtrip(tensor):
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded) is nn.Parameter, type(loaded)
+    return loaded
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_read_waits_for_the_gather_and_sees_the_new_values(read):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    reference = copy.deepcopy(module)
+    new, calls = _held(module)
+    with torch.no_grad():
+        for param, value in zip(reference.parameters(), new):
+            param.copy_(value)
+    got = READS[read](module)
+    assert calls == [1]
+    assert torch.equal(got, READS[read](reference)), read
+    assert all(type(p) is nn.Parameter for p in module.parameters())
+    READS[read](module)
+    assert calls == [1], "a landed parameter waits no more"
+
+
+def test_autograd_runs_through_a_landed_parameter():
+    module = nn.Linear(3, 2)
+    new, _ = _held(module)
+    module(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(module.weight.grad, torch.ones(2, 3)) and torch.equal(module.weight, new[0])
+
+
+def test_clearing_grad_without_torch_functions_does_not_wait():
+    module = nn.Linear(3, 2)
+    module(torch.ones(1, 3)).sum().backward()
+    _, calls = _held(module)
+    with torch._C.DisableTorchFunctionSubclass():
+        for param in module.parameters():
+            param.grad = None
+    assert calls == [] and type(module.weight) is InFlight
+    land(module.weight)
+    land(module.weight)
+    assert calls == [1] and module.weight.grad is None
+
+
+def test_a_failed_gather_raises_once():
+    module = nn.Linear(3, 2)
+    _, calls = _held(module, fail=True)
+    with pytest.raises(RuntimeError, match="timed out"):
+        module(torch.ones(1, 3))
+    module(torch.ones(1, 3))
+    assert calls == [1] and type(module.bias) is nn.Parameter
+
+
+def test_hold_leaves_subclasses_and_held_parameters_to_the_caller():
+    class Quantised(nn.Parameter):
+        pass
+
+    plain, odd = nn.Parameter(torch.zeros(2)), Quantised(torch.zeros(2))
+    assert hold([plain, odd], lambda: release([plain])) == [odd]
+    assert hold([plain], lambda: None) == [plain], "held already: its first gather must land first"
+    assert type(odd) is Quantised and type(plain) is InFlight
+    land(plain)
+    assert type(plain) is nn.Parameter
