@@ -18,19 +18,17 @@ items (labels other than -100, or samples), so N ranks x accumulation equal one 
 
 Its parts live beside it: the order of epochs, steps and events (loop.py), the model made ready (wrap.py), the step
 plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
-evaluation over the ranks (evaluation.py), which checkpoint to resume from (resume.py), writing checkpoints and the
-best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs, progress bar and loss curve
+evaluate and predict (trainer_eval.py, evaluation.py), which checkpoint to resume from (resume.py), writing
+checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs, progress bar and loss curve
 (report.py), optimizer and schedules (optim.py), the shapes of batches and outputs (model_io.py),
 trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import random
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from . import checkpoint, evaluation, model_io, optim, resume, step
+from . import checkpoint, model_io, optim, resume, step
 from .best import BestModel
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
@@ -54,6 +52,7 @@ from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import CHECKPOINT, EVALUATION, attach_timeline
+from .trainer_eval import EvaluationMixin
 from .window import StopRequest, Window
 from .wrap import prepare_model
 
@@ -67,7 +66,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer:
+class Trainer(EvaluationMixin):
     """Trains `model` on `train_dataset` with `args` on every process of the world the launcher started.
 
     The model returns a loss (a tensor, a dict with "loss", or an object with `.loss`) that is the mean over the
@@ -308,60 +307,6 @@ class Trainer:
                                  scaler=self.precision.scaler)
         self._fire("on_save")
         return folder
-
-    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", self._evaluation_forward,
-                                            self.compute_metrics is not None)
-        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
-                                        self.world.device)
-        self._add_speed(metrics, metric_key_prefix, start, len(dataset))
-        self.log(metrics)
-        self._fire("on_evaluate", metrics=metrics)
-        return metrics
-
-    def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
-        """Transformers': the model's predictions (logits) for every sample exactly once, in dataset order, on
-        every rank, with the labels and the loss where the batches have labels; call it on every rank. The
-        predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
-        if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
-            raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
-                             f"got {ignore_keys!r}")
-        part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset",
-                                            functools.partial(self._evaluation_forward, loss_needed=False), True)
-        prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
-                                                                self.compute_metrics, self.world.device)
-        self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
-        self._fire("on_predict", metrics=metrics)
-        return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
-
-    def _pass_over(self, dataset: Dataset | None, need: str, forward: evaluation.Forward,
-                   want_predictions: bool) -> tuple[evaluation.Part, list[int], float]:
-        """Every sample once over the ranks, the model in eval mode: this rank's part, its samples, the start."""
-        if dataset is None or len(dataset) == 0:
-            raise ValueError(f"Trainer.{need} with at least one sample")
-        start = time.perf_counter()
-        mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size)
-        with evaluation.eval_mode(self.model):
-            part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), forward, want_predictions)
-        return part, mine, start
-
-    def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
-        evaluation.add_speed(metrics, prefix, time.perf_counter() - start, samples,
-                             self.args.per_device_eval_batch_size * self.world.world_size)
-
-    def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> evaluation.ForwardResult:
-        inputs = self._prepare_inputs(batch)
-        with torch.no_grad(), self.precision.autocast():
-            if loss_needed or model_io.labels_of(inputs) is not None:
-                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
-            else:  # predict on a batch without a "labels" key: a loss only if the model gave one (positional labels)
-                outputs = model_io.call_model(self.model, inputs)
-                loss = model_io.carried_loss(outputs)
-        self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-        return loss, outputs, inputs, self.count_items(inputs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """model.safetensors and training_args.json into output_dir, from rank 0; call it on every rank."""
