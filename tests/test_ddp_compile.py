@@ -92,8 +92,41 @@ def train_compiled(world, placement: str, cap: float, optimize_ddp: bool = True,
             "params": [p.detach().sum().item() for p in model.parameters()]}
 
 
+def stage2_compiled(world, placement: str) -> dict:
+    """zero_stage=2 under torch.compile: whether every step's forward ran compiled (a held parameter's class would
+    fail Dynamo's guards: a recompile, or the frame run uncompiled), and its losses against zero_stage=0."""
+    import ddpkit
+
+    out = {}
+    for stage in (0, 2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Deep(layers=2)
+        if placement == "DDP(compile(model))":
+            ddp = ddpkit.DistributedDataParallel(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1.0,
+                                                 zero_stage=stage)
+            run = ddp
+        else:
+            ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=1.0, zero_stage=stage)
+            run = torch.compile(ddp, backend="aot_eager")
+        opt = ddpkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+            torch.optim.SGD(ddp.parameters(), lr=0.1)
+        compiled, losses = [], []
+        for step in range(4):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * step + world.rank))
+            opt.zero_grad()
+            loss = run(x).square().mean()
+            compiled.append(bool(_compiled_nodes(loss)))
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+        out[stage] = (compiled, losses)
+    return out
+
+
 def compiled_cases(world):
-    cases = {}
+    cases = {"stage 2 " + placement: stage2_compiled(world, placement)
+             for placement in ("DDP(compile(model))", "compile(DDP(model))")}
     for placement in ("DDP(compile(model))", "compile(DDP(model))"):
         cases[placement] = train_compiled(world, placement, cap=1.0)
         # Below DDPOptimizer's 1 MiB first piece torch's own wrapper cannot compile; ddpkit hands Dynamo 1 MiB.
@@ -106,7 +139,12 @@ def compiled_cases(world):
 
 
 def test_buckets_launch_during_a_compiled_backward():
-    a, b = run_world(compiled_cases, 2, deadline_s=300)
+    a, b = run_world(compiled_cases, 2, deadline_s=400)
+    for name in ("stage 2 DDP(compile(model))", "stage 2 compile(DDP(model))"):
+        for rank, case in enumerate((a.pop(name), b.pop(name))):
+            (compiled0, losses0), (compiled2, losses2) = case[0], case[2]
+            assert compiled0 == compiled2 == [True] * 4, f"{name}, rank {rank}: a forward ran uncompiled: {case}"
+            assert max(abs(x - y) for x, y in zip(losses0, losses2)) <= TOL, (name, rank, losses0, losses2)
     for name, case in a.items():
         assert case["params"] == b[name]["params"], f"{name}: replicas differ"
         for step, got in enumerate(case["steps"] + b[name]["steps"]):

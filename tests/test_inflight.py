@@ -111,3 +111,28 @@ def test_hold_leaves_subclasses_and_held_parameters_to_the_caller():
     assert type(odd) is Quantised and type(plain) is InFlight
     land(plain)
     assert type(plain) is nn.Parameter
+
+
+def test_reads_inside_list_subclasses_land_and_copies_by_type_are_plain():
+    class Row(list):
+        pass
+
+    module = nn.Linear(3, 2)
+    new, calls = _held(module)
+    got = torch.cat(Row([module.weight.view(-1), module.bias]))
+    assert calls == [1] and torch.equal(got, torch.cat([new[0].view(-1), new[1]]))
+    _held(module)
+    made = type(module.weight)(torch.zeros(2))  # how accelerate builds a parameter like another
+    assert type(made) is nn.Parameter and type(module.weight) is InFlight
+
+
+def test_an_unlandable_parameter_is_a_clear_error():
+    module = nn.Linear(3, 2)
+    _held(module)
+
+    class Box:
+        def __init__(self, value):
+            self.value = value
+
+    with pytest.raises(RuntimeError, match="inside a container"):  # torch saw it, the walk cannot: no recursion
+        InFlight.__torch_function__(torch.add, (InFlight,), (Box(module.weight), 1))

@@ -23,20 +23,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 LAND = "_ddpkit_land"  # on a held parameter: what waits for its gather (and releases it)
 
 
 class InFlight(nn.Parameter):
-    """A parameter whose all-gather is still in flight (see the module docstring); never built directly."""
+    """A parameter whose all-gather is still in flight (see the module docstring). Built as `type(p)(data)` (as
+    accelerate builds parameters like another), it makes a plain nn.Parameter: only `hold` makes one of these."""
+
+    def __new__(cls, data: Any = None, requires_grad: bool = True) -> nn.Parameter:
+        return nn.Parameter(data, requires_grad)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            if type(leaf) is InFlight:
-                land(leaf)
+        held = _held_in((args, kwargs))
+        if not held:  # torch saw one where this walk cannot (a container of another kind): never recurse
+            raise RuntimeError(f"{getattr(func, '__name__', func)} was given a parameter whose all-gather is in "
+                               "flight inside a container ddpkit does not look into; wait for the gathers first "
+                               "(ZeroRedundancyOptimizer.wait_for_params())")
+        for param in held:
+            land(param)
         return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:  # nn.Parameter's would copy this class before reading a value
@@ -61,14 +68,31 @@ def release(params: Iterable[nn.Parameter]) -> None:
     for param in params:
         if type(param) is InFlight:
             param.__class__ = nn.Parameter
-            delattr(param, LAND)
+            param.__dict__.pop(LAND, None)
 
 
 def land(param: nn.Parameter) -> None:
-    """Wait for a held parameter's gather (no-op once it landed)."""
+    """Wait for a held parameter's gather (no-op once it landed). `land_them` may run more than once for one
+    hold (Dynamo replays a frame it could not trace): it must wait once and then do nothing."""
     if type(param) is InFlight:
-        land_them = getattr(param, LAND)
         try:
-            land_them()
+            land_them = getattr(param, LAND, None)
+            if land_them is not None:
+                land_them()
         finally:
             release([param])  # a failed wait raises once, never again at every read
+
+
+def _held_in(tree: Any) -> list[InFlight]:
+    """The held parameters among a torch function's arguments: inside lists, tuples (their subclasses too, as
+    torch's argument parser sees them) and dicts."""
+    found, stack = [], [tree]
+    while stack:
+        item = stack.pop()
+        if type(item) is InFlight:
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found

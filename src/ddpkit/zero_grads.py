@@ -19,6 +19,7 @@ loading the module's state_dict waits for everything too.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,10 +57,14 @@ class GradShards:
         self.bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket's index
         for param in params:
             setattr(param, ATTRIBUTE, self)
-        # The module's state_dict read (a checkpoint, perhaps keep_vars=True, handing out the parameters
-        # themselves) or loaded (the receives land straight in the parameters: late ones would overwrite the
-        # loaded weights): wait for every gather, whichever parameters the hooks of submodules touch first.
-        self._hooks = (module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
+        self.module = module
+        self._reading = False  # inside the wrapper's forward, where each parameter waits for its bucket when read
+        # The module called unwrapped (evaluation; under torch.func or TorchScript, which read the parameters
+        # without torch functions), its state_dict read (a checkpoint, perhaps keep_vars=True, handing out the
+        # parameters themselves) or loaded (the receives land straight in the parameters: late ones would
+        # overwrite the loaded weights): wait for every gather first.
+        self._hooks = (module.register_forward_pre_hook(lambda *args: None if self._reading else self.wait_all()),
+                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
                        module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
     # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
@@ -125,12 +130,31 @@ class GradShards:
     @contextlib.contextmanager
     def forward_reads(self) -> Iterator[None]:
         """Around the wrapper's forward: each read of a parameter waits for its own bucket (module docstring)."""
-        if self.gathers and torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
-            self.wait_all()  # torch.compile: a traced frame must see plain parameters
+        if self.gathers and _compiled(self.module):
+            self.wait_all()  # torch.compile: Dynamo guards on the parameters' class, and would recompile (or fall
+            # back to running uncompiled) if it found held ones
+        self._reading = True
         try:
             yield
         finally:
+            self._reading = False
             self.wait_all()  # what no function read: the parameters of unused layers
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether this forward may run compiled code: inside a frame torch.compile traces (compile(DDP(model))),
+    through a compiled module in the tree (DDP(compile(model)), model.compile() on a submodule), or anywhere once
+    this process compiled a graph (a compiled function the forward calls). Dynamo must see plain parameters."""
+    if torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+        return True
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if dynamo is None:
+        return False
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None and utils.counters["stats"]["unique_graphs"] > 0:
+        return True
+    return any(isinstance(m, dynamo.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
 
 
 def unit_plan(layout: Any) -> UnitPlan:
