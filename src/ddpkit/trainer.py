@@ -19,9 +19,9 @@ items (labels other than -100, or samples), so N ranks x accumulation equal one 
 Its parts live beside it: the order of epochs, steps and events (loop.py), the model made ready (wrap.py), the step
 plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
 evaluate and predict (trainer_eval.py, evaluation.py), which checkpoint to resume from (resume.py), writing
-checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs, progress bar and loss curve
-(report.py), optimizer and schedules (optim.py), the shapes of batches and outputs (model_io.py),
-trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
+checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs,
+progress bar and loss curve (report.py), optimizer and schedules (optim.py), the shapes of batches and outputs
+(model_io.py), trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
 """
 
 from __future__ import annotations
