@@ -14,7 +14,10 @@ arguments: 1 ms of a 16 ms forward of the bench transformer.)
 Only exact nn.Parameter objects are held (a subclass of its own, such as a quantised weight's, is not switched
 under its owner's feet): `hold` says which parameters it could not mark, and their gather must be waited for at
 once. Reading `.grad` or setting it also lands a parameter; code that only clears gradients (zero_grad) can do
-so without waiting inside `torch._C.DisableTorchFunctionSubclass()`.
+so without waiting inside `torch._C.DisableTorchFunctionSubclass()`. What reads parameters without torch
+functions (torch.func transforms, TorchScript, a view made before the step, a C extension) or guards on their
+class (torch.compile's Dynamo) must see them landed first: the owner waits for every gather there
+(ddpkit.zero_grads).
 """
 
 from __future__ import annotations
