@@ -54,7 +54,6 @@ class GradShards:
         self.used: dict[int, list[bool]] = {}  # bucket index -> per member: some rank gave it a gradient
         self.consumer: Any = None  # the ZeroRedundancyOptimizer stepping on these shards
         self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle) of its parameters' all-gather
-        self.bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket's index
         for param in params:
             setattr(param, ATTRIBUTE, self)
         self.module = module
@@ -76,7 +75,6 @@ class GradShards:
         index = bucket.index
         if index not in self.buckets:
             self.buckets[index] = bucket
-            self.bucket_of.update((id(param), index) for param in bucket.params)
         used = [everywhere_used is None or everywhere_used[i] for i in bucket.members]
         if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
             self.grads[index].add_(shard)
