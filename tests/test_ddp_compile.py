@@ -58,21 +58,25 @@ def _compiled_nodes(tensor: torch.Tensor) -> list:
     return found
 
 
-def train_compiled(world, placement: str, cap: float, optimize_ddp: bool = True, checkpointed: str = ""):
+def _placed(model, placement: str, **ddp_kwargs):
+    """(the wrapper, what to call): "DDP(compile(model))" or "compile(DDP(model))", compiled with aot_eager."""
     import ddpkit
 
+    if placement == "DDP(compile(model))":
+        ddp = ddpkit.DistributedDataParallel(torch.compile(model, backend="aot_eager"), **ddp_kwargs)
+        return ddp, ddp
+    ddp = ddpkit.DistributedDataParallel(model, **ddp_kwargs)
+    return ddp, torch.compile(ddp, backend="aot_eager")
+
+
+def train_compiled(world, placement: str, cap: float, optimize_ddp: bool = True, checkpointed: str = ""):
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp
     r, n = world.rank, world.world_size
     torch.manual_seed(0)
     model = Deep(checkpointed=checkpointed)
     ref = copy.deepcopy(model)
-    if placement == "DDP(compile(model))":
-        ddp = ddpkit.DistributedDataParallel(torch.compile(model, backend="aot_eager"), bucket_cap_mb=cap)
-        run = ddp
-    else:
-        ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=cap)
-        run = torch.compile(ddp, backend="aot_eager")
+    ddp, run = _placed(model, placement, bucket_cap_mb=cap)
     steps = []
     for step in range(3):
         x = torch.randn(4 * n, WIDTH, generator=torch.Generator().manual_seed(step))
@@ -102,13 +106,7 @@ def stage2_compiled(world, placement: str) -> dict:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Deep(layers=2)
-        if placement == "DDP(compile(model))":
-            ddp = ddpkit.DistributedDataParallel(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1.0,
-                                                 zero_stage=stage)
-            run = ddp
-        else:
-            ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=1.0, zero_stage=stage)
-            run = torch.compile(ddp, backend="aot_eager")
+        ddp, run = _placed(model, placement, bucket_cap_mb=1.0, zero_stage=stage)
         opt = ddpkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1) if stage else \
             torch.optim.SGD(ddp.parameters(), lr=0.1)
         compiled, losses = [], []
