@@ -108,16 +108,22 @@ class GradShards:
     # -- after the step: parameters gathered bucket by bucket -----------------------------------------------------
     def add_gather(self, index: int, unit: Any, handle: Any) -> None:
         """Bucket `index`'s parameters are being gathered: the first read of any of them waits (ddpkit.inflight)."""
-        self.gathers[index] = (unit, handle)
+        self.gathers[index] = (unit, handle, _current_stream(unit.params[0].device))
         if hold(unit.params, lambda: self.wait(index)):
             self.wait(index)  # some parameter could not be marked: no read of it may come first
 
     def wait(self, index: int) -> None:
         pending = self.gathers.pop(index, None)
         if pending is not None:
-            unit, handle = pending
+            unit, handle, issued_on = pending
             try:
                 unit.finish_gather(handle)
+                # On an accelerator the wait orders only the stream current here after the gather. The first read
+                # may come on a side stream (an EMA under torch.cuda.stream(s)); once released, the parameters
+                # are read without waits, so the stream the step ran on (the next forward's) is ordered too.
+                now = _current_stream(unit.params[0].device)
+                if now is not None and now != issued_on:
+                    issued_on.wait_stream(now)
             finally:
                 release(unit.params)
 
@@ -153,6 +159,13 @@ def _compiled(module: nn.Module) -> bool:
         return True
     return any(isinstance(m, dynamo.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in module.modules())
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The stream work on `device` is queued on now; None on the CPU, where a wait is a wait."""
+    if device.type == "cpu":
+        return None
+    return getattr(torch, device.type).current_stream(device)
 
 
 def unit_plan(layout: Any) -> UnitPlan:
