@@ -4,6 +4,7 @@ reentrant checkpointing, refusals, two synchronised backwards per step, and join
 from __future__ import annotations
 
 import functools
+import io
 import sys
 
 import pytest
@@ -210,3 +211,74 @@ def test_a_gather_first_waited_for_on_a_side_stream_orders_the_step_stream_too(m
         assert all(type(p) is nn.Parameter for p in module.parameters())
         assert step_stream.waited_for == expected, (first_read_on.name, step_stream.waited_for)
     assert side_stream.waited_for == []
+
+
+def user_paths(world):
+    """What user code does around a sharded model, against plain DDP from the same seed and data: clearing the
+    gradients on the wrapper (model.zero_grad()), replacing the parameters' memory after a step
+    (vector_to_parameters: ZeroRedundancyOptimizer must step the new memory), saving the module, a parameter
+    and the wrapper whole with gathers in flight, and the warning when only the inner module is cleared."""
+    import copy
+    import pickle
+    import warnings
+
+    import ddpkit
+
+    params, saved = {}, {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001,
+                                                zero_stage=2 if stage == 2 else 0)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS + 1):
+            x, y = _micro("mlp", step, 0, world.world_size)[world.rank]
+            models.loss("mlp", model, x, y, world.rank, step).backward()
+            opt.step()
+            model.zero_grad()  # the wrapper's: under stage 2 it must clear the shards too
+            if step == 1:
+                with torch.no_grad():  # new memory for every parameter, the same values
+                    vector = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+                    torch.nn.utils.vector_to_parameters(vector, model.parameters())
+        # the last step's gathers are still in flight under stage 2: saving must see the new values
+        saved[stage] = [torch.load(_saved(model.module), weights_only=False).state_dict(),
+                        torch.load(_saved(copy.deepcopy(model.module)), weights_only=False).state_dict(),
+                        torch.load(_saved(next(model.module.parameters())), weights_only=False),
+                        pickle.loads(pickle.dumps(model)).module.state_dict()]
+        params[stage] = [p.detach().clone() for p in model.module.parameters()]
+        model.check_replicas()
+        if stage == 2:
+            x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                models.loss("mlp", model, x, y, world.rank, 0).backward()
+                opt.step()
+                model.module.zero_grad()  # cannot reach the shards the step used: the next backward says so
+                models.loss("mlp", model, x, y, world.rank, 0).backward()
+            warned = [str(w.message) for w in caught if "optimizer.zero_grad()" in str(w.message)]
+    # SGD steps each shard element as DDP steps it; the shards' sums are rank-ordered, DDP's ring's not
+    diffs = {stage: max((a - b).abs().max().item() for a, b in zip(params[stage], params[0])) for stage in (1, 2)}
+    keys = list(saved[0][0])
+    reloaded, first = {}, {}
+    for stage in (1, 2):
+        module, copied, one, unpickled = saved[stage]
+        for name, got in (("module", module), ("deepcopy", copied), ("wrapper", unpickled)):
+            reloaded[stage, name] = list(got) == keys and all(torch.equal(v, p)
+                                                              for v, p in zip(got.values(), params[stage]))
+        first[stage] = torch.equal(one, params[stage][0]) and type(one) is nn.Parameter
+    return diffs, reloaded, first, len(warned)
+
+
+def _saved(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_user_paths_around_a_sharded_model():
+    for rank, (diffs, reloaded, first, warned) in enumerate(run_world(user_paths, 2, deadline_s=180)):
+        assert all(d <= TOL for d in diffs.values()), f"rank {rank}: stage -> largest difference from DDP {diffs}"
+        assert all(reloaded.values()), f"rank {rank}: saved and loaded equal to the parameters: {reloaded}"
+        assert all(first.values()), f"rank {rank}: torch.save of one parameter: {first}"
+        assert warned == 1, f"rank {rank}: {warned} warnings when only the inner module was cleared"

@@ -310,6 +310,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's; under zero_stage=2 the gradients are this rank's shards, and they are cleared too (else
+        the next backward would add to them). Clearing reads no value: gathers in flight go on."""
+        with torch._C.DisableTorchFunctionSubclass():
+            super().zero_grad(set_to_none)
+        if self._grad_shards is not None:
+            self._grad_shards.zero_grad()
+
     def check_replicas(self, what: str = "replica check") -> None:
         """Fail on every rank, naming the first diverging rank and parameter, if any replica differs from rank 0's.
 

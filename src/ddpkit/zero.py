@@ -161,6 +161,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_built()
+        for unit in self.units:
+            unit.follow()
         for group, local in zip(self.param_groups, self.optim.param_groups):
             for key, value in group.items():
                 if key != "params":
@@ -171,6 +173,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
             else:
                 unit.finish_gather(handle)
+        if self.grad_shards is not None:
+            self.grad_shards.stepped_on()
         return loss
 
     def _step_and_gather(self) -> list[tuple[Unit, Any]]:
@@ -366,7 +370,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
 def _grad_shards_of(params: list[torch.nn.Parameter]) -> GradShards | None:
     """The stage-2 gradient shards the parameters belong to (DistributedDataParallel(zero_stage=2)), if any."""
-    found = {id(s): s for s in (getattr(p, ATTRIBUTE, None) for p in params) if s is not None}
+    owners = (getattr(p, ATTRIBUTE, None) for p in params)
+    found = {id(s): s for s in (getattr(o, "shards", None) for o in owners) if s is not None}
     if len(found) > 1:
         raise ValueError("these parameters belong to several DistributedDataParallel(zero_stage=2) models; "
                          "build one ZeroRedundancyOptimizer per model")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,18 +54,19 @@ class GradShards:
         self.grads: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged shard, accumulated
         self.used: dict[int, list[bool]] = {}  # bucket index -> per member: some rank gave it a gradient
         self.consumer: Any = None  # the ZeroRedundancyOptimizer stepping on these shards
-        self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle) of its parameters' all-gather
+        self.stepped = self.warned = False  # stepped on since zero_grad; said so once (_receive)
+        self.gathers: dict[int, Any] = {}  # bucket index -> (unit, handle, device, stream) of its all-gather
         for param in params:
-            setattr(param, ATTRIBUTE, self)
+            setattr(param, ATTRIBUTE, Owner(self))
         self.module = module
         self._reading = False  # inside the wrapper's forward, where each parameter waits for its bucket when read
         # The module called unwrapped (evaluation; under torch.func or TorchScript, which read the parameters
         # without torch functions), its state_dict read (a checkpoint, perhaps keep_vars=True, handing out the
         # parameters themselves) or loaded (the receives land straight in the parameters: late ones would
         # overwrite the loaded weights): wait for every gather first.
-        self._hooks = (module.register_forward_pre_hook(lambda *args: None if self._reading else self.wait_all()),
-                       module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()),
-                       module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+        self._hooks = (module.register_forward_pre_hook(WaitAll(self, unless_reading=True)),
+                       module.register_state_dict_pre_hook(WaitAll(self)),
+                       module.register_load_state_dict_pre_hook(WaitAll(self)))
 
     # -- backward: keep the shard, drop the local gradients ------------------------------------------------------
     def _receive(self, bucket: Bucket, shard: torch.Tensor, everywhere_used: list[bool] | None) -> None:
@@ -76,6 +78,12 @@ class GradShards:
         if index not in self.buckets:
             self.buckets[index] = bucket
         used = [everywhere_used is None or everywhere_used[i] for i in bucket.members]
+        if index in self.grads and self.stepped and not self.warned:
+            self.warned = True
+            warnings.warn("zero_stage=2: this backward adds to gradients an optimizer step has already used. "
+                          "If they were meant to be cleared, note that clearing the inner module's .grad "
+                          "(model.module.zero_grad()) cannot reach them: they are this rank's shards. Call "
+                          "optimizer.zero_grad() or model.zero_grad() on the wrapper instead.", stacklevel=2)
         if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
             self.grads[index].add_(shard)
             self.used[index] = [a or b for a, b in zip(self.used[index], used)]
@@ -96,6 +104,11 @@ class GradShards:
     def zero_grad(self) -> None:
         self.grads.clear()
         self.used.clear()
+        self.stepped = False
+
+    def stepped_on(self) -> None:
+        """The optimizer stepped on the shards: a backward adding to them before zero_grad is suspect (below)."""
+        self.stepped = True
 
     def grad_of(self, index: int, offset: int, numel: int, member: int) -> torch.Tensor | None:
         """The averaged gradient of a shard piece; None when no rank gave that parameter one (it is skipped,
@@ -108,20 +121,21 @@ class GradShards:
     # -- after the step: parameters gathered bucket by bucket -----------------------------------------------------
     def add_gather(self, index: int, unit: Any, handle: Any) -> None:
         """Bucket `index`'s parameters are being gathered: the first read of any of them waits (ddpkit.inflight)."""
-        self.gathers[index] = (unit, handle, _current_stream(unit.params[0].device))
+        device = unit.params[0].device  # read before holding: a held parameter's every read waits
+        self.gathers[index] = (unit, handle, device, _current_stream(device))
         if hold(unit.params, lambda: self.wait(index)):
             self.wait(index)  # some parameter could not be marked: no read of it may come first
 
     def wait(self, index: int) -> None:
         pending = self.gathers.pop(index, None)
         if pending is not None:
-            unit, handle, issued_on = pending
+            unit, handle, device, issued_on = pending
             try:
                 unit.finish_gather(handle)
                 # On an accelerator the wait orders only the stream current here after the gather. The first read
                 # may come on a side stream (an EMA under torch.cuda.stream(s)); once released, the parameters
                 # are read without waits, so the stream the step ran on (the next forward's) is ordered too.
-                now = _current_stream(unit.params[0].device)
+                now = _current_stream(device)
                 if now is not None and now != issued_on:
                     issued_on.wait_stream(now)
             finally:
@@ -143,6 +157,34 @@ class GradShards:
         finally:
             self._reading = False
             self.wait_all()  # what no function read: the parameters of unused layers
+
+
+class Owner:
+    """What each parameter carries (ATTRIBUTE): the GradShards that hold its gradient, for the optimizer to find.
+    Pickled or copied with the parameter (torch.save(p), an EMA's deepcopy of the module) it comes back empty:
+    the copy belongs to no stage-2 model, and the process group it would drag along cannot be pickled."""
+
+    def __init__(self, shards: GradShards | None):
+        self.shards = shards
+
+    def __reduce__(self) -> tuple:
+        return Owner, (None,)
+
+
+class WaitAll:
+    """A hook on the user's module: wait for every gather in flight (see GradShards.__init__). Like Owner, it
+    pickles and copies as an inert hook, so that the module can be saved or copied whole."""
+
+    def __init__(self, shards: GradShards | None, unless_reading: bool = False):
+        self.shards, self.unless_reading = shards, unless_reading
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        shards = self.shards
+        if shards is not None and not (self.unless_reading and shards._reading):
+            shards.wait_all()
+
+    def __reduce__(self) -> tuple:
+        return WaitAll, (None,)
 
 
 def _compiled(module: nn.Module) -> bool:

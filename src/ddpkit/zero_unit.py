@@ -42,28 +42,59 @@ class Unit:
         # What the local optimizer holds: the parameter itself for whole pieces of a shape-aware optimizer, a
         # flat view of its elements otherwise. Updating a view updates the parameter: no copy in, no copy out.
         self.locals: list[torch.Tensor] = [self._local(piece) for piece in self.mine]
+        self.memory = [(p.data_ptr(), p.dtype, p.shape) for p in params]  # where `follow` expects them
 
     def _pack(self) -> None:
         """Move the parameters into one flat buffer laid out as the all-gather leaves it, as views of it."""
         plan = self.plan
-        flat = torch.zeros(plan.segment_numel * plan.world_size, dtype=self.params[0].dtype,
-                           device=self.params[0].device)
-        with torch.no_grad():
-            for param, start in zip(self.params, self.starts):
-                view = flat[start:start + param.numel()].view_as(param)
-                view.copy_(param)
-                param.data = view
-        self.flat = flat
+        self.flat = torch.zeros(plan.segment_numel * plan.world_size, dtype=self.params[0].dtype,
+                                device=self.params[0].device)
+        for position in range(len(self.params)):
+            self._repack(position)
+
+    @torch.no_grad()
+    def _repack(self, position: int) -> None:
+        param, start = self.params[position], self.starts[position]
+        view = self.flat[start:start + param.numel()].view_as(param)
+        view.copy_(param)
+        param.data = view
+
+    def follow(self) -> None:
+        """Before a step: where `p.data = ...` (torch.nn.utils.vector_to_parameters, a loader) gave a parameter
+        new memory since the last one, step and gather that memory, as an unsharded optimizer would. The
+        optimizer's state stays with the parameter."""
+        for position, (param, (pointer, dtype, shape)) in enumerate(zip(self.params, self.memory)):
+            if param.data_ptr() == pointer:
+                continue
+            if param.dtype != dtype or param.shape != shape:
+                raise ValueError(f"parameter {self.indices[position]} became {param.dtype} {tuple(param.shape)} "
+                                 f"after the ZeroRedundancyOptimizer was built for {dtype} {tuple(shape)}; its "
+                                 "shards cannot change: build the optimizer after converting the model")
+            if self.flat is not None:
+                self._repack(position)  # the all-gather writes into the flat buffer: the parameter lives there
+            elif not self.plan.whole:
+                for piece, local in zip(self.mine, self.locals):
+                    if piece.param == position:
+                        self._point(local, piece)
+            self.memory[position] = (param.data_ptr(), dtype, shape)
 
     def _local(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.param]
         if self.plan.whole:
             return param
+        return self._point(torch.empty(0, dtype=param.dtype, device=param.device), piece)
+
+    def _point(self, local: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """`local` made a flat view of the piece's elements in its parameter's memory. A tensor of its own (not
+        a view made by slicing) so that `follow` can point the same object, the optimizer state's key, anew."""
+        param = self.params[piece.param]
         if not param.is_contiguous():
-            raise ValueError(f"parameter {self.indices[piece.param]} ({tuple(param.shape)}) is not "
-                             "contiguous, so its flat slices cannot be views of it; make it contiguous "
-                             "(param.data = param.data.contiguous()) before building the optimizer")
-        return param.detach().view(-1)[piece.start:piece.stop]
+            raise ValueError(f"parameter {self.indices[piece.param]} ({tuple(param.shape)}) is not contiguous, "
+                             "so its flat slices cannot be views of it; make it contiguous "
+                             "(param.data = param.data.contiguous())")
+        with torch.no_grad():
+            return local.set_(param.untyped_storage(), param.storage_offset() + piece.start,
+                              (piece.stop - piece.start,))
 
     # -- around the local step ------------------------------------------------------------------------------------
     def _param_grad(self, piece: Piece) -> torch.Tensor | None:
