@@ -224,7 +224,7 @@ def user_paths(world):
 
     import ddpkit
 
-    params, saved = {}, {}
+    params, saved, bumped, refused = {}, {}, {}, {}
     for stage in (0, 1, 2):
         torch.manual_seed(0)
         model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001,
@@ -234,7 +234,10 @@ def user_paths(world):
         for step in range(STEPS + 1):
             x, y = _micro("mlp", step, 0, world.world_size)[world.rank]
             models.loss("mlp", model, x, y, world.rank, step).backward()
+            before = [p._version for p in model.parameters()]
             opt.step()
+            # autograd must see every parameter change on every rank, as after an unsharded step
+            bumped[stage] = bumped.get(stage, True) and all(p._version > v for p, v in zip(model.parameters(), before))
             model.zero_grad()  # the wrapper's: under stage 2 it must clear the shards too
             if step == 1:
                 with torch.no_grad():  # new memory for every parameter, the same values
@@ -243,11 +246,15 @@ def user_paths(world):
         # the last step's gathers are still in flight under stage 2: saving must see the new values
         saved[stage] = [torch.load(_saved(model.module), weights_only=False).state_dict(),
                         torch.load(_saved(copy.deepcopy(model.module)), weights_only=False).state_dict(),
-                        torch.load(_saved(next(model.module.parameters())), weights_only=False),
-                        pickle.loads(pickle.dumps(model)).module.state_dict()]
+                        torch.load(_saved(next(model.module.parameters())), weights_only=True),
+                        pickle.loads(pickle.dumps(model)).module.state_dict(),
+                        torch.load(_saved(model.module.state_dict(keep_vars=True)), weights_only=True)]
         params[stage] = [p.detach().clone() for p in model.module.parameters()]
         model.check_replicas()
         if stage == 2:
+            twice = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(model))))
+            hooks = [len(h) for h in (twice.module._forward_pre_hooks, twice.module._state_dict_pre_hooks,
+                                      twice.module._load_state_dict_pre_hooks)]  # the live wrapper's alone
             x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -256,17 +263,24 @@ def user_paths(world):
                 model.module.zero_grad()  # cannot reach the shards the step used: the next backward says so
                 models.loss("mlp", model, x, y, world.rank, 0).backward()
             warned = [str(w.message) for w in caught if "optimizer.zero_grad()" in str(w.message)]
+        if stage:  # tied through .data after the optimizer was built: the two gathers would collide
+            weight, bias = list(model.module.parameters())[:2]
+            with torch.no_grad():
+                bias.data = weight.data.view(-1)[:bias.numel()].view_as(bias)
+            with pytest.raises(ValueError, match="shares its memory"):
+                opt.step()
+            refused[stage] = True
     # SGD steps each shard element as DDP steps it; the shards' sums are rank-ordered, DDP's ring's not
     diffs = {stage: max((a - b).abs().max().item() for a, b in zip(params[stage], params[0])) for stage in (1, 2)}
     keys = list(saved[0][0])
     reloaded, first = {}, {}
     for stage in (1, 2):
-        module, copied, one, unpickled = saved[stage]
-        for name, got in (("module", module), ("deepcopy", copied), ("wrapper", unpickled)):
+        module, copied, one, unpickled, kept = saved[stage]
+        for name, got in (("module", module), ("deepcopy", copied), ("wrapper", unpickled), ("keep_vars", kept)):
             reloaded[stage, name] = list(got) == keys and all(torch.equal(v, p)
                                                               for v, p in zip(got.values(), params[stage]))
         first[stage] = torch.equal(one, params[stage][0]) and type(one) is nn.Parameter
-    return diffs, reloaded, first, len(warned)
+    return diffs, reloaded, first, len(warned), bumped, refused, hooks
 
 
 def _saved(obj):
@@ -277,7 +291,11 @@ def _saved(obj):
 
 
 def test_user_paths_around_a_sharded_model():
-    for rank, (diffs, reloaded, first, warned) in enumerate(run_world(user_paths, 2, deadline_s=180)):
+    for rank, (diffs, reloaded, first, warned, bumped, refused, hooks) in enumerate(run_world(user_paths, 2,
+                                                                                               deadline_s=180)):
+        assert hooks == [1, 1, 1], f"rank {rank}: the module's hooks after two pickle round trips: {hooks}"
+        assert bumped == {0: True, 1: True, 2: True}, f"rank {rank}: every step bumped every version: {bumped}"
+        assert refused == {1: True, 2: True}, refused
         assert all(d <= TOL for d in diffs.values()), f"rank {rank}: stage -> largest difference from DDP {diffs}"
         assert all(reloaded.values()), f"rank {rank}: saved and loaded equal to the parameters: {reloaded}"
         assert all(first.values()), f"rank {rank}: torch.save of one parameter: {first}"

@@ -161,8 +161,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_built()
+        everyone = [p for unit in self.units for p in unit.params]
         for unit in self.units:
-            unit.follow()
+            unit.follow(everyone)
         for group, local in zip(self.param_groups, self.optim.param_groups):
             for key, value in group.items():
                 if key != "params":

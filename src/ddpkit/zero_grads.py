@@ -18,6 +18,7 @@ loading the module's state_dict waits for everything too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import warnings
@@ -64,6 +65,7 @@ class GradShards:
         # without torch functions), its state_dict read (a checkpoint, perhaps keep_vars=True, handing out the
         # parameters themselves) or loaded (the receives land straight in the parameters: late ones would
         # overwrite the loaded weights): wait for every gather first.
+        _drop_inert_hooks(module)  # a module unpickled with an earlier wrapper's: one set of hooks, the live one
         self._hooks = (module.register_forward_pre_hook(WaitAll(self, unless_reading=True)),
                        module.register_state_dict_pre_hook(WaitAll(self)),
                        module.register_load_state_dict_pre_hook(WaitAll(self)))
@@ -168,7 +170,9 @@ class Owner:
         self.shards = shards
 
     def __reduce__(self) -> tuple:
-        return Owner, (None,)
+        # An empty OrderedDict, not an Owner: a saved parameter must load under torch.load(weights_only=True),
+        # which rebuilds only the globals torch allows (OrderedDict is one); no `shards` there reads as none.
+        return collections.OrderedDict, ()
 
 
 class WaitAll:
@@ -185,6 +189,14 @@ class WaitAll:
 
     def __reduce__(self) -> tuple:
         return WaitAll, (None,)
+
+
+def _drop_inert_hooks(module: nn.Module) -> None:
+    for hooks in (module._forward_pre_hooks, module._state_dict_pre_hooks, module._load_state_dict_pre_hooks):
+        inert = [k for k, hook in hooks.items()  # load pre-hooks come wrapped by torch (.hook)
+                 if isinstance(getattr(hook, "hook", hook), WaitAll) and getattr(hook, "hook", hook).shards is None]
+        for key in inert:
+            del hooks[key]
 
 
 def _compiled(module: nn.Module) -> bool:

@@ -42,7 +42,7 @@ class Unit:
         # What the local optimizer holds: the parameter itself for whole pieces of a shape-aware optimizer, a
         # flat view of its elements otherwise. Updating a view updates the parameter: no copy in, no copy out.
         self.locals: list[torch.Tensor] = [self._local(piece) for piece in self.mine]
-        self.memory = [(p.data_ptr(), p.dtype, p.shape) for p in params]  # where `follow` expects them
+        self.memory = [(p.data_ptr(), p.dtype, p.shape, p.device) for p in params]  # where `follow` expects them
 
     def _pack(self) -> None:
         """Move the parameters into one flat buffer laid out as the all-gather leaves it, as views of it."""
@@ -59,24 +59,30 @@ class Unit:
         view.copy_(param)
         param.data = view
 
-    def follow(self) -> None:
+    def follow(self, everyone: list[torch.nn.Parameter]) -> None:
         """Before a step: where `p.data = ...` (torch.nn.utils.vector_to_parameters, a loader) gave a parameter
         new memory since the last one, step and gather that memory, as an unsharded optimizer would. The
-        optimizer's state stays with the parameter."""
-        for position, (param, (pointer, dtype, shape)) in enumerate(zip(self.params, self.memory)):
+        optimizer's state stays with the parameter. `everyone`: all the optimizer's parameters."""
+        for position, (param, (pointer, dtype, shape, device)) in enumerate(zip(self.params, self.memory)):
             if param.data_ptr() == pointer:
                 continue
-            if param.dtype != dtype or param.shape != shape:
+            if (param.dtype, param.shape, param.device) != (dtype, shape, device):
                 raise ValueError(f"parameter {self.indices[position]} became {param.dtype} {tuple(param.shape)} "
-                                 f"after the ZeroRedundancyOptimizer was built for {dtype} {tuple(shape)}; its "
-                                 "shards cannot change: build the optimizer after converting the model")
+                                 f"on {param.device} after the ZeroRedundancyOptimizer was built for {dtype} "
+                                 f"{tuple(shape)} on {device}; its shards cannot change: build the optimizer "
+                                 "after converting or moving the model")
+            if any(other is not param and _overlap(param, other) for other in everyone):
+                # Owned by different ranks, the two gathers would write the same memory with different values.
+                raise ValueError(f"parameter {self.indices[position]} now shares its memory with another "
+                                 "parameter (tied through .data after the ZeroRedundancyOptimizer was built); "
+                                 "tie the parameters themselves (b.weight = a.weight) before building it")
             if self.flat is not None:
                 self._repack(position)  # the all-gather writes into the flat buffer: the parameter lives there
             elif not self.plan.whole:
                 for piece, local in zip(self.mine, self.locals):
                     if piece.param == position:
                         self._point(local, piece)
-            self.memory[position] = (param.data_ptr(), dtype, shape)
+            self.memory[position] = (param.data_ptr(), dtype, shape, device)
 
     def _local(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.param]
@@ -131,6 +137,9 @@ class Unit:
         if size == 0:
             return None
         what = f"zero params, {self.name}"
+        # Every rank's parameters change in place, as an unsharded step changes them: autograd must know, so
+        # that a graph saved before the step raises at its backward instead of reading the new weights.
+        torch.autograd.graph.increment_version(self.params)
         if self.flat is None:
             return self.comm.all_gather_pieces([[self._view(p) for p in segment] for segment in plan.segments],
                                                what, async_op=True)
@@ -148,6 +157,14 @@ class Unit:
         if self.plan.whole:
             return param
         return param.view(-1)[piece.start:piece.stop]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' elements share memory (any byte)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
