@@ -161,9 +161,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_built()
-        everyone = [p for unit in self.units for p in unit.params]
         for unit in self.units:
-            unit.follow(everyone)
+            unit.follow(self.units)
         for group, local in zip(self.param_groups, self.optim.param_groups):
             for key, value in group.items():
                 if key != "params":

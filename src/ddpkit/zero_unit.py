@@ -59,10 +59,10 @@ class Unit:
         view.copy_(param)
         param.data = view
 
-    def follow(self, everyone: list[torch.nn.Parameter]) -> None:
+    def follow(self, units: list[Unit]) -> None:
         """Before a step: where `p.data = ...` (torch.nn.utils.vector_to_parameters, a loader) gave a parameter
         new memory since the last one, step and gather that memory, as an unsharded optimizer would. The
-        optimizer's state stays with the parameter. `everyone`: all the optimizer's parameters."""
+        optimizer's state stays with the parameter. `units`: all the optimizer's (read only when memory moved)."""
         for position, (param, (pointer, dtype, shape, device)) in enumerate(zip(self.params, self.memory)):
             if param.data_ptr() == pointer:
                 continue
@@ -71,7 +71,7 @@ class Unit:
                                  f"on {param.device} after the ZeroRedundancyOptimizer was built for {dtype} "
                                  f"{tuple(shape)} on {device}; its shards cannot change: build the optimizer "
                                  "after converting or moving the model")
-            if any(other is not param and _overlap(param, other) for other in everyone):
+            if any(other is not param and _overlap(param, other) for unit in units for other in unit.params):
                 # Owned by different ranks, the two gathers would write the same memory with different values.
                 raise ValueError(f"parameter {self.indices[position]} now shares its memory with another "
                                  "parameter (tied through .data after the ZeroRedundancyOptimizer was built); "
