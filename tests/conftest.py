@@ -27,6 +27,7 @@ import socket
 import subprocess
 import time
 import hashlib
+import io
 import traceback
 from typing import Any, Callable
 
@@ -168,6 +169,14 @@ def stay_until(path: str, limit_s: float = 60.0) -> None:
     end = time.monotonic() + limit_s
     while not os.path.exists(path) and time.monotonic() < end:
         time.sleep(0.05)
+
+
+def save_and_load(obj: Any, weights_only: bool = False) -> Any:
+    """`obj` through torch.save and torch.load in memory."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=weights_only)
 
 
 def fingerprint(module: "torch.nn.Module", buffers: bool = False) -> str:

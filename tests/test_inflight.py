@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import save_and_load
 from ddpkit.inflight import InFlight, hold, land, release
 
 
@@ -47,10 +47,7 @@ READS = {
 
 
 def _roundtrip(tensor):
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = save_and_load(tensor)
     assert type(loaded) is nn.Parameter, type(loaded)
     return loaded
 

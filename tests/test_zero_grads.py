@@ -4,7 +4,6 @@ reentrant checkpointing, refusals, two synchronised backwards per step, and join
 from __future__ import annotations
 
 import functools
-import io
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 import models
-from conftest import run_world
+from conftest import run_world, save_and_load
 
 SHARD = 3  # samples per rank per micro-batch
 STEPS = 3
@@ -244,11 +243,11 @@ def user_paths(world):
                     vector = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
                     torch.nn.utils.vector_to_parameters(vector, model.parameters())
         # the last step's gathers are still in flight under stage 2: saving must see the new values
-        saved[stage] = [torch.load(_saved(model.module), weights_only=False).state_dict(),
-                        torch.load(_saved(copy.deepcopy(model.module)), weights_only=False).state_dict(),
-                        torch.load(_saved(next(model.module.parameters())), weights_only=True),
+        saved[stage] = [save_and_load(model.module).state_dict(),
+                        save_and_load(copy.deepcopy(model.module)).state_dict(),
+                        save_and_load(next(model.module.parameters()), weights_only=True),
                         pickle.loads(pickle.dumps(model)).module.state_dict(),
-                        torch.load(_saved(model.module.state_dict(keep_vars=True)), weights_only=True)]
+                        save_and_load(model.module.state_dict(keep_vars=True), weights_only=True)]
         params[stage] = [p.detach().clone() for p in model.module.parameters()]
         model.check_replicas()
         if stage == 2:
@@ -281,13 +280,6 @@ def user_paths(world):
                                                               for v, p in zip(got.values(), params[stage]))
         first[stage] = torch.equal(one, params[stage][0]) and type(one) is nn.Parameter
     return diffs, reloaded, first, len(warned), bumped, refused, hooks
-
-
-def _saved(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def test_user_paths_around_a_sharded_model():

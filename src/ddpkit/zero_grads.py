@@ -193,10 +193,10 @@ class WaitAll:
 
 def _drop_inert_hooks(module: nn.Module) -> None:
     for hooks in (module._forward_pre_hooks, module._state_dict_pre_hooks, module._load_state_dict_pre_hooks):
-        inert = [k for k, hook in hooks.items()  # load pre-hooks come wrapped by torch (.hook)
-                 if isinstance(getattr(hook, "hook", hook), WaitAll) and getattr(hook, "hook", hook).shards is None]
-        for key in inert:
-            del hooks[key]
+        for key, hook in list(hooks.items()):
+            hook = getattr(hook, "hook", hook)  # load pre-hooks come wrapped by torch (.hook)
+            if isinstance(hook, WaitAll) and hook.shards is None:
+                del hooks[key]
 
 
 def _compiled(module: nn.Module) -> bool:
