@@ -206,7 +206,7 @@ def format_table(per_rank: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "ddpkit bench --zero") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)  # how `ddpkit bench` hands over
-    parser.add_argument("--models", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
+    parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=["mlp", "transformer"])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2)

@@ -37,16 +37,10 @@ import torch.distributed as dist
 
 from .comm import Comm
 from .zero_grads import ATTRIBUTE, GradShards, unit_plan
+from .zero_local import ELEMENTWISE, WHOLE_MODEL, foreach_tensors, runs_foreach
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
 from .zero_unit import Unit, clip_shards_
-
-# Optimizers whose update of an element reads only that element's parameter, gradient and state: a flat slice
-# of a tensor steps exactly as that part of the whole tensor would.
-ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop"))
-# Optimizers that need every parameter at once (global dot products), which no partition can serve.
-WHOLE_MODEL = (torch.optim.LBFGS,)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -86,6 +80,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
         self.optim: torch.optim.Optimizer | None = None
+        self._foreach_ok: list[bool] = []  # per local param group: zero_local.foreach_tensors
         self.grad_shards = _grad_shards_of(self._numbered())
         if self.grad_shards is None:
             self._build([self._shard_group(index) for index in range(len(self.param_groups))])
@@ -100,6 +95,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _build(self, local_groups: list[dict[str, Any]]) -> None:
         self.optim = self.optimizer_class(local_groups, **self._kwargs)
+        self._foreach_ok = [foreach_tensors(group["params"]) for group in self.optim.param_groups]
         self._adopt_defaults(self.optim)
 
     def _adopt_defaults(self, optim: torch.optim.Optimizer) -> None:
@@ -150,6 +146,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                       "group to the constructor")
         if self._built:
             self.optim.add_param_group(self._shard_group(len(self.param_groups) - 1))
+            self._foreach_ok.append(foreach_tensors(self.optim.param_groups[-1]["params"]))
             self._adopt_defaults(self.optim)
 
     # -- the step -------------------------------------------------------------------------------------------------
@@ -163,10 +160,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ensure_built()
         for unit in self.units:
             unit.follow(self.units)
-        for group, local in zip(self.param_groups, self.optim.param_groups):
+        for group, local, tensors_ok in zip(self.param_groups, self.optim.param_groups, self._foreach_ok):
             for key, value in group.items():
                 if key != "params":
                     local[key] = value  # hyperparameters live here (schedulers set them); the shard reads them
+            if runs_foreach(self.optimizer_class, group, tensors_ok):
+                local["foreach"] = True  # the same bits, without the per-tensor loop (ddpkit.zero_local)
         self._consolidated = None
         for unit, handle in self._step_and_gather():
             if self.grad_shards is not None:
