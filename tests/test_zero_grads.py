@@ -212,63 +212,87 @@ def test_a_gather_first_waited_for_on_a_side_stream_orders_the_step_stream_too(m
     assert side_stream.waited_for == []
 
 
+def _train_as_users_do(world, stage):
+    """STEPS + 1 SGD steps, clearing on the wrapper, with the parameters' memory replaced after step 1; the model,
+    its optimizer and whether every step bumped every parameter's autograd version."""
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001, zero_stage=2 if stage == 2 else 0)
+    opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
+    bumped = True
+    for step in range(STEPS + 1):
+        x, y = _micro("mlp", step, 0, world.world_size)[world.rank]
+        models.loss("mlp", model, x, y, world.rank, step).backward()
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        # autograd must see every parameter change on every rank, as after an unsharded step
+        bumped = bumped and all(p._version > v for p, v in zip(model.parameters(), before))
+        model.zero_grad()  # the wrapper's: under stage 2 it must clear the shards too
+        if step == 1:
+            with torch.no_grad():  # new memory for every parameter, the same values
+                vector = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+                torch.nn.utils.vector_to_parameters(vector, model.parameters())
+    return model, opt, bumped
+
+
+def _saves(model):
+    """The module, a deepcopy, its first parameter, the pickled wrapper and a keep_vars state_dict, saved and
+    loaded back (under stage 2 with the last step's gathers still in flight: saving must see the new values)."""
+    import copy
+    import pickle
+
+    return [save_and_load(model.module).state_dict(), save_and_load(copy.deepcopy(model.module)).state_dict(),
+            save_and_load(next(model.module.parameters()), weights_only=True),
+            pickle.loads(pickle.dumps(model)).module.state_dict(),
+            save_and_load(model.module.state_dict(keep_vars=True), weights_only=True)]
+
+
+def _hooks_and_warnings(world, model, opt):
+    """Stage 2: the module's hook counts after two pickle round trips (the live wrapper's alone), and how many
+    warnings a backward gives after clearing only the inner module's gradients."""
+    import pickle
+    import warnings
+
+    twice = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(model))))
+    hooks = [len(h) for h in (twice.module._forward_pre_hooks, twice.module._state_dict_pre_hooks,
+                              twice.module._load_state_dict_pre_hooks)]
+    x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models.loss("mlp", model, x, y, world.rank, 0).backward()
+        opt.step()
+        model.module.zero_grad()  # cannot reach the shards the step used: the next backward says so
+        models.loss("mlp", model, x, y, world.rank, 0).backward()
+    return hooks, len([w for w in caught if "optimizer.zero_grad()" in str(w.message)])
+
+
+def _refuses_a_tie_through_data(model, opt):
+    """Tied through .data after the optimizer was built: the two gathers would collide."""
+    weight, bias = list(model.module.parameters())[:2]
+    with torch.no_grad():
+        bias.data = weight.data.view(-1)[:bias.numel()].view_as(bias)
+    with pytest.raises(ValueError, match="shares its memory"):
+        opt.step()
+    return True
+
+
 def user_paths(world):
     """What user code does around a sharded model, against plain DDP from the same seed and data: clearing the
     gradients on the wrapper (model.zero_grad()), replacing the parameters' memory after a step
     (vector_to_parameters: ZeroRedundancyOptimizer must step the new memory), saving the module, a parameter
     and the wrapper whole with gathers in flight, and the warning when only the inner module is cleared."""
-    import copy
-    import pickle
-    import warnings
-
-    import ddpkit
-
     params, saved, bumped, refused = {}, {}, {}, {}
     for stage in (0, 1, 2):
-        torch.manual_seed(0)
-        model = ddpkit.DistributedDataParallel(models.make("mlp"), bucket_cap_mb=0.001,
-                                                zero_stage=2 if stage == 2 else 0)
-        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
-            torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(STEPS + 1):
-            x, y = _micro("mlp", step, 0, world.world_size)[world.rank]
-            models.loss("mlp", model, x, y, world.rank, step).backward()
-            before = [p._version for p in model.parameters()]
-            opt.step()
-            # autograd must see every parameter change on every rank, as after an unsharded step
-            bumped[stage] = bumped.get(stage, True) and all(p._version > v for p, v in zip(model.parameters(), before))
-            model.zero_grad()  # the wrapper's: under stage 2 it must clear the shards too
-            if step == 1:
-                with torch.no_grad():  # new memory for every parameter, the same values
-                    vector = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
-                    torch.nn.utils.vector_to_parameters(vector, model.parameters())
-        # the last step's gathers are still in flight under stage 2: saving must see the new values
-        saved[stage] = [save_and_load(model.module).state_dict(),
-                        save_and_load(copy.deepcopy(model.module)).state_dict(),
-                        save_and_load(next(model.module.parameters()), weights_only=True),
-                        pickle.loads(pickle.dumps(model)).module.state_dict(),
-                        save_and_load(model.module.state_dict(keep_vars=True), weights_only=True)]
+        model, opt, bumped[stage] = _train_as_users_do(world, stage)
+        saved[stage] = _saves(model)
         params[stage] = [p.detach().clone() for p in model.module.parameters()]
         model.check_replicas()
         if stage == 2:
-            twice = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(model))))
-            hooks = [len(h) for h in (twice.module._forward_pre_hooks, twice.module._state_dict_pre_hooks,
-                                      twice.module._load_state_dict_pre_hooks)]  # the live wrapper's alone
-            x, y = _micro("mlp", 0, 0, world.world_size)[world.rank]
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                models.loss("mlp", model, x, y, world.rank, 0).backward()
-                opt.step()
-                model.module.zero_grad()  # cannot reach the shards the step used: the next backward says so
-                models.loss("mlp", model, x, y, world.rank, 0).backward()
-            warned = [str(w.message) for w in caught if "optimizer.zero_grad()" in str(w.message)]
-        if stage:  # tied through .data after the optimizer was built: the two gathers would collide
-            weight, bias = list(model.module.parameters())[:2]
-            with torch.no_grad():
-                bias.data = weight.data.view(-1)[:bias.numel()].view_as(bias)
-            with pytest.raises(ValueError, match="shares its memory"):
-                opt.step()
-            refused[stage] = True
+            hooks, warned = _hooks_and_warnings(world, model, opt)
+        if stage:
+            refused[stage] = _refuses_a_tie_through_data(model, opt)
     # SGD steps each shard element as DDP steps it; the shards' sums are rank-ordered, DDP's ring's not
     diffs = {stage: max((a - b).abs().max().item() for a, b in zip(params[stage], params[0])) for stage in (1, 2)}
     keys = list(saved[0][0])
@@ -279,7 +303,7 @@ def user_paths(world):
             reloaded[stage, name] = list(got) == keys and all(torch.equal(v, p)
                                                               for v, p in zip(got.values(), params[stage]))
         first[stage] = torch.equal(one, params[stage][0]) and type(one) is nn.Parameter
-    return diffs, reloaded, first, len(warned), bumped, refused, hooks
+    return diffs, reloaded, first, warned, bumped, refused, hooks
 
 
 def test_user_paths_around_a_sharded_model():
