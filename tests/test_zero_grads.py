@@ -265,7 +265,7 @@ def _hooks_and_warnings(world, model, opt):
         opt.step()
         model.module.zero_grad()  # cannot reach the shards the step used: the next backward says so
         models.loss("mlp", model, x, y, world.rank, 0).backward()
-    return hooks, len([w for w in caught if "optimizer.zero_grad()" in str(w.message)])
+    return hooks, [w.filename for w in caught if "optimizer.zero_grad()" in str(w.message)]  # this file's line
 
 
 def _refuses_a_tie_through_data(model, opt):
@@ -315,4 +315,4 @@ def test_user_paths_around_a_sharded_model():
         assert all(d <= TOL for d in diffs.values()), f"rank {rank}: stage -> largest difference from DDP {diffs}"
         assert all(reloaded.values()), f"rank {rank}: saved and loaded equal to the parameters: {reloaded}"
         assert all(first.values()), f"rank {rank}: torch.save of one parameter: {first}"
-        assert warned == 1, f"rank {rank}: {warned} warnings when only the inner module was cleared"
+        assert warned == [__file__], f"rank {rank}: warnings when only the inner module was cleared: {warned}"
