@@ -33,7 +33,8 @@ def _batch(name: str, rank: int, step: int, seed: int):
 def _train(world, impl: str, name: str, batches: list[int], how: str = "join", divide: bool = True,
            accumulate: int = 1, seed: int = 0, throw: bool = False, check_grads: bool = False,
            before_first: bool = False, as_view: bool = False, hook: bool = False) -> dict:
-    """One training script: `how` is "join" (model.join()), "Join+ZeRO" (torch's Join([model, ZeRO])),
+    """One training script: `how` is "join" (model.join()), "Join+ZeRO" or "Join+ddpkit ZeRO" (torch's
+    Join([model, ZeRO]) with torch's or ddpkit's ZeroRedundancyOptimizer), "ZeRO first" (Join([ZeRO, model])),
     "disabled" (model.join(enable=False)) or "plain" (no join). Returns the final state and what was seen."""
     import ddpkit
     import ddpkit.hooks
@@ -45,9 +46,13 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
     if hook:  # each its own library's all-reduce hook: a rank that ran out runs it on zeros
         model.register_comm_hook(None, ddpkit.hooks.allreduce_hook if impl == "ddpkit" else
                                  default_hooks.allreduce_hook)
-    if how == "Join+ZeRO":
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    if how.startswith("Join+"):  # torch's Join([model, optimizer]) with torch's ZeRO or ddpkit's
+        zero = ddpkit.ZeroRedundancyOptimizer if how == "Join+ddpkit ZeRO" else ZeroRedundancyOptimizer
+        optimizer = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
         context = TorchJoin([model, optimizer], divide_by_initial_world_size=divide)
+    elif how == "ZeRO first":
+        optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        context = TorchJoin([optimizer, model], divide_by_initial_world_size=divide)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         # (one Join only: building one sets the wrapper's join config)
@@ -128,6 +133,7 @@ def two_ranks(world) -> dict:
     out["even"] = {how: run["state"] for how, run in even.items()}
     out["disabled_log"] = [what for _, _, what in even["disabled"]["log"]]
     out["bn_even"] = {how: _train(world, "ddpkit", "convbn", [2, 2], how=how)["state"] for how in ("plain", "join")}
+    out["zero_first"] = _train(world, "ddpkit", "mlp", [2, 3], how="ZeRO first")["error"]
     out["throw"] = _compare(world, "mlp", [2, 3], throw=True)  # last: it leaves the wrappers mid-iteration
     return out
 
@@ -137,7 +143,11 @@ def three_ranks(world) -> dict:
     out["bn"] = _compare(world, "convbn", [2, 4, 3])  # rank 1 is the last to join
     out["bn_tie"] = _compare(world, "convbn", [3, 1, 3])  # ranks 0 and 2 tie: rank 2's model
     out["bn_mean_accumulate"] = _compare(world, "convbn", [5, 2, 4], divide=False, accumulate=2)
-    out["zero"] = _compare(world, "mlp", [2, 4, 3], how="Join+ZeRO")
+    # ZeRO joined beside the model: a rank that ran out steps its shard for the others, with the .grad ddpkit's
+    # wrapper leaves it (their average), so the result is that of join() with the unsharded optimizer, bit for
+    # bit. (torch's wrapper leaves the joined rank its stale .grad, so torch's DDP + ZeRO is not compared.)
+    out["zero"] = {how: _train(world, "ddpkit", "mlp", [2, 4, 3], how=how)
+                   for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
     out["bn_source"] = _compare(world, "convbn", [1, 3, 2], before_first=True)
     out["throw"] = _compare(world, "mlp", [2, 1, 3], throw=True)
     return out
@@ -189,12 +199,20 @@ def test_join_on_two_ranks():
     # ... but BatchNorm statistics differ: under join() they come from rank 1, as in torch, not from rank 0
     assert _diff(results[0]["bn_even"]["plain"], results[0]["bn_even"]["join"]) > 0
     _check_throw(results)
+    for result in results:  # every rank trains at the first step, so every rank raises there: nothing hangs
+        assert "cannot be the first joinable" in result["zero_first"], result["zero_first"]
 
 
 def test_join_on_three_ranks():
     results = run_world(three_ranks, 3, deadline_s=300)
-    for key, last in (("bn", 1), ("bn_tie", 2), ("bn_mean_accumulate", 0), ("zero", 1), ("bn_source", 1)):
+    for key, last in (("bn", 1), ("bn_tie", 2), ("bn_mean_accumulate", 0), ("bn_source", 1)):
         _check_run(results, key, last)
+    for rank, result in enumerate(results):
+        runs = result["zero"]
+        for how in ("Join+ZeRO", "Join+ddpkit ZeRO"):
+            assert runs[how]["error"] is None, (how, rank, runs[how]["error"])
+            assert _diff(runs[how]["state"], runs["join"]["state"]) == 0.0, (how, rank)
+            assert runs[how]["log"] == results[0]["zero"][how]["log"], (how, rank)  # the same collectives
     for result in results:
         assert result["bn_source"]["ours"]["seen_buffers"] == 2.0
         assert result["bn_source"]["theirs"]["seen_buffers"] == 2.0

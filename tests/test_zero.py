@@ -337,11 +337,36 @@ def surface_checks(world):
                       "norms": norms, "print": _fingerprint(runs[1][0]),
                       "shapes": [tuple(p.shape) for g in runs[1][2].optim.param_groups for p in g["params"]],
                       "whole": runs[1][2].whole}
+    out["step kwargs"] = _step_kwargs_and_new_keys()
     for bad, match in (({"optimizer_class": torch.optim.LBFGS}, "LBFGS"),
                        ({"optimizer_class": torch.optim.SGD, "overlap_with_ddp": True}, "zero_stage=2")):
         with pytest.raises(ValueError, match=match):
             ddpkit.ZeroRedundancyOptimizer(models.make("mlp").parameters(), lr=0.1, **bad)
     return out
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer with a step keyword of its own that writes a key of its own into its first group."""
+
+    def step(self, closure=None, calls=None):
+        super().step()
+        if calls is not None:
+            calls.append(1)
+        self.param_groups[0]["seen"] = self.param_groups[0].get("seen", 0) + 1
+
+
+def _step_kwargs_and_new_keys():
+    """torch's: step(**kwargs) reaches the wrapped optimizer's step, once per step() on every rank (here one
+    rank owns nothing of the first group), and keys its step writes show in the caller's param_groups."""
+    import ddpkit
+
+    one, four = torch.ones(1, requires_grad=True), torch.ones(4, requires_grad=True)
+    opt = ddpkit.ZeroRedundancyOptimizer([{"params": [one]}, {"params": [four]}], _CountingSGD, lr=0.1)
+    calls = []
+    for step in range(3):
+        one.grad, four.grad = torch.ones(1), torch.ones(4)
+        opt.step(calls=calls) if step < 2 else opt.step()
+    return {"calls": len(calls), "values": one.tolist() + four.tolist(), "seen": opt.param_groups[0].get("seen")}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -360,5 +385,8 @@ def test_surface_torch_ddp_adafactor_clip(world_size):
         assert all(abs(a - b) <= 1e-6 * max(a, 1.0) for a, b in zip(plain, sharded)), (plain, sharded)
         assert min(plain) > 0.05, "the test must clip: every norm above max_norm"
         assert got["clip"]["error"] <= TOL, got["clip"]["error"]
+        step = got.pop("step kwargs")
+        assert step["calls"] == 2 and step["seen"] == 3, step
+        assert step["values"] == pytest.approx([0.7] * 5, abs=1e-6), step
         for label in got:
             assert got[label]["print"] == results[0][label]["print"], f"{label}: rank {rank}'s replica differs"

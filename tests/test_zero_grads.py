@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
 
 import models
 from conftest import run_world, save_and_load
@@ -161,6 +162,10 @@ def join_under_stage_2(world):
     with pytest.raises(NotImplementedError, match="zero_stage=2"):
         model.join()
     model.join(enable=False)  # disabled: nothing to refuse
+    zero = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for joinables in ([model], [zero]):  # torch's own Join, which asks each for its hook
+        with pytest.raises(NotImplementedError, match="zero_stage=2"):
+            TorchJoin(joinables)
     return True
 
 

@@ -304,9 +304,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         nothing changes. Inside, buffers come from the highest-numbered rank still training, as in torch."""
         if self.reducer is None:
             return contextlib.nullcontext()  # a world of one: nobody to wait for
-        if self.zero_stage == 2 and enable:  # a joined rank's zero buckets would land in its real shard
-            raise NotImplementedError("join() with zero_stage=2 is not supported yet: give every rank the same "
-                                      "number of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
+        if self.zero_stage == 2 and not enable:  # nothing to refuse (join_hook refuses zero_stage=2)
+            return contextlib.nullcontext()
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

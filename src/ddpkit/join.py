@@ -20,8 +20,10 @@ forward inside the context, a rank still training issues, before its module runs
 
 and its backward issues the buckets and the usage counts (in the last bucket, or on their own: ddpkit.reducer). A
 rank that ran out runs `DDPJoinHook.main_hook` once per iteration of the others: the same collectives, under the
-same names (so that the stall inspector sees one sequence on every rank), with zeros, its own .grad left alone (as
-torch leaves it).
+same names (so that the stall inspector sees one sequence on every rank), with zeros. Its .grad then holds what the
+ranks still training step with (their average, bit for bit), where torch leaves the joined rank's stale gradient:
+so a ddpkit.ZeroRedundancyOptimizer joined beside the model (`Join([model, optimizer])`), whose hook steps this
+rank's shard for the others, steps it with the right gradient. (Parameters no rank used keep theirs.)
 
 Gradients: each rank divides its bucket by the divisor and the all-reduce sums the buckets; ranks that ran out add
 zeros. So with divide_by_initial_world_size=True (the divisor stays the world size) a gradient is the sum over the
@@ -159,10 +161,13 @@ class DDPJoinHook(JoinHook):
             if not self.stand_ins[-1].usage_numel:  # the counts as their own collective: zeros beside the others'
                 usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
                 usage_work = reducer.sum_usage(usage, number)
-            for bucket, handle in zip(self.stand_ins, handles):
-                bucket.wait(handle)
+            results = [bucket.wait(handle) for bucket, handle in zip(self.stand_ins, handles)]
             if usage_work is not None:
                 reducer.comm.wait(usage_work)
+            counts = usage if usage_work is not None else self.stand_ins[-1].usage
+            everywhere_used = (counts > 0).tolist()
+            for bucket, result in zip(self.stand_ins, results):  # the others' average into this rank's .grad
+                bucket.write_back(result, everywhere_used)
         reducer.windows += 1
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -176,3 +181,17 @@ class DDPJoinHook(JoinHook):
         comm = ddp._comm
         source = int(max_over_ranks(comm, comm.rank if is_last_joiner else -1, LAST_TO_JOIN, ddp.join_device))
         comm.broadcast_tensors(ddp._module_states(ddp.forward_sync_buffers), src=source, what="join: final model")
+
+
+class ZeroJoinHook(JoinHook):
+    """What a rank that ran out of data does for a ddpkit.ZeroRedundancyOptimizer under a Join (torch's contract):
+    at each iteration of the others it steps its shard with the .grad it holds and all-gathers it, as their
+    step() does. With ddpkit's DDP in the same Join (before the optimizer) that .grad is the average the others
+    step with (DDPJoinHook.shadow_backward); under torch's DDP it must be set by hand, as torch's rule is."""
+
+    def __init__(self, zero: Any):
+        super().__init__()
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()

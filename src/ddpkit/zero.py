@@ -34,16 +34,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .comm import Comm
-from .zero_grads import ATTRIBUTE, GradShards, unit_plan
-from .zero_local import ELEMENTWISE, WHOLE_MODEL, foreach_tensors, runs_foreach
+from .join import ZeroJoinHook
+from .zero_grads import grad_shards_of, unit_plan
+from .zero_local import ELEMENTWISE, WHOLE_MODEL, copy_down, copy_up, foreach_tensors
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
 from .zero_unit import Unit, clip_shards_
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """Wraps `optimizer_class(**defaults)` so that each rank keeps the state of its shard only.
 
     The arguments are torch's. parameters_as_bucket_view=True moves the parameters of each param group and
@@ -68,6 +70,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "unsharded")
         self._built = False
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         self.optimizer_class = optimizer_class
         self._kwargs = defaults
         self.process_group = process_group
@@ -81,7 +84,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
         self.optim: torch.optim.Optimizer | None = None
         self._foreach_ok: list[bool] = []  # per local param group: zero_local.foreach_tensors
-        self.grad_shards = _grad_shards_of(self._numbered())
+        self.grad_shards = grad_shards_of(self._numbered())
         if self.grad_shards is None:
             self._build([self._shard_group(index) for index in range(len(self.param_groups))])
         else:
@@ -151,43 +154,53 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step this rank's shard, then all-gather the updated shards so every replica is whole and identical."""
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step this rank's shard, then all-gather the updated shards so every replica is whole and identical.
+        kwargs go to the wrapped optimizer's step (torch's), which then runs once for all units on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        config = self._join_config
+        if config.enable and config.is_first_joinable:  # it would have to tell the Join that this rank still trains
+            raise RuntimeError("a ZeroRedundancyOptimizer cannot be the first joinable of a Join: the first one "
+                               "says at each iteration that its rank still trains, which the model's forward does; "
+                               "write Join([model, optimizer])")
         self._ensure_built()
         for unit in self.units:
             unit.follow(self.units)
-        for group, local, tensors_ok in zip(self.param_groups, self.optim.param_groups, self._foreach_ok):
-            for key, value in group.items():
-                if key != "params":
-                    local[key] = value  # hyperparameters live here (schedulers set them); the shard reads them
-            if runs_foreach(self.optimizer_class, group, tensors_ok):
-                local["foreach"] = True  # the same bits, without the per-tensor loop (ddpkit.zero_local)
+        chosen = copy_down(self.optimizer_class, self.param_groups, self.optim.param_groups, self._foreach_ok)
         self._consolidated = None
-        for unit, handle in self._step_and_gather():
+        for unit, handle in self._step_and_gather(kwargs):
             if self.grad_shards is not None:
                 self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
             else:
                 unit.finish_gather(handle)
+        copy_up(self.param_groups, self.optim.param_groups, chosen)
         if self.grad_shards is not None:
             self.grad_shards.stepped_on()
         return loss
 
-    def _step_and_gather(self) -> list[tuple[Unit, Any]]:
+    def _step_and_gather(self, kwargs: dict[str, Any]) -> list[tuple[Unit, Any]]:
         """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps. (Each
         local step sees only that unit's gradients; an elementwise optimizer skips the others, so the result is
         that of one step over all.) A shape-aware optimizer reads the parameters' own .grad: one step for all.
         Stage 2: the first layers' buckets come last in index order, gathered first so that the next forward
         starts sooner. Stage 1 waits for every gather before step() returns: the largest units go first, so
-        that the longest transfers run while the smaller units step (the same order on every rank)."""
+        that the longest transfers run while the smaller units step (the same order on every rank). With step
+        kwargs, and for any class but torch's own, the local step runs once on every rank (torch's class does so:
+        an optimizer that counts or logs its steps, or writes its groups, sees one step per step())."""
         units = list(reversed(self.units))
         if self.grad_shards is None:
             units.sort(key=lambda unit: -unit.plan.segment_numel)
-        if self.whole:
-            self.optim.step()
+        if self.whole or kwargs or self.optimizer_class not in ELEMENTWISE:  # a subclass: its step may count
+            for unit in units:
+                unit.lend_grads()
+            try:
+                self.optim.step(**kwargs)
+            finally:
+                for unit in units:
+                    unit.take_back_grads()
             return [(unit, unit.start_gather()) for unit in units]
         started = []
         for unit in units:
@@ -233,7 +246,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             indices = [number.get(id(p)) for p in bucket.params]
             groups = [group_of.get(id(p)) for p in bucket.params]
             unit = Unit(f"bucket {index}", indices, bucket.params, groups, unit_plan(bucket.layout), self.comm,
-                        False, functools.partial(_shard_grad, shards, index), index=index)
+                        False, functools.partial(shards.piece_grad, index), index=index)
             self.units.append(unit)
             for piece, tensor in zip(unit.mine, unit.locals):
                 if indices[piece.param] is not None:  # not a parameter of this optimizer: never stepped
@@ -256,6 +269,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """
         self._ensure_built()
         return clip_shards_(self.units, self.comm, max_norm, norm_type)
+
+    # -- torch's Joinable: Join([model, optimizer]) for uneven inputs ---------------------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.grad_shards is not None:
+            raise NotImplementedError("join with zero_stage=2 is not supported yet: give every rank the same "
+                                      "number of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._numbered()[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.comm.pg  # the group itself, as the model's: Join refuses joinables of different groups
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _numbered(self) -> list[torch.nn.Parameter]:
@@ -365,17 +393,3 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return 0
         return sum(v.numel() * v.element_size() for state in self.optim.state.values() for v in state.values()
                    if isinstance(v, torch.Tensor))
-
-
-def _grad_shards_of(params: list[torch.nn.Parameter]) -> GradShards | None:
-    """The stage-2 gradient shards the parameters belong to (DistributedDataParallel(zero_stage=2)), if any."""
-    owners = (getattr(p, ATTRIBUTE, None) for p in params)
-    found = {id(s): s for s in (getattr(o, "shards", None) for o in owners) if s is not None}
-    if len(found) > 1:
-        raise ValueError("these parameters belong to several DistributedDataParallel(zero_stage=2) models; "
-                         "build one ZeroRedundancyOptimizer per model")
-    return next(iter(found.values()), None)
-
-
-def _shard_grad(shards: GradShards, index: int, piece: Any) -> torch.Tensor | None:
-    return shards.grad_of(index, piece.offset, piece.numel, piece.param)

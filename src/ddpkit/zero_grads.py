@@ -86,7 +86,8 @@ class GradShards:
             warnings.warn("zero_stage=2: this backward adds to gradients an optimizer step has already used. "
                           "If they were meant to be cleared, note that clearing the inner module's .grad "
                           "(model.module.zero_grad()) cannot reach them: they are this rank's shards. Call "
-                          "optimizer.zero_grad() or model.zero_grad() on the wrapper instead.", stacklevel=_callers_level())
+                          "optimizer.zero_grad() or model.zero_grad() on the wrapper instead.",
+                          stacklevel=_callers_level())
         if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
             self.grads[index].add_(shard)
             self.used[index] = [a or b for a, b in zip(self.used[index], used)]
@@ -120,6 +121,10 @@ class GradShards:
         if shard is None or not self.used[index][member]:
             return None
         return shard[offset:offset + numel]
+
+    def piece_grad(self, index: int, piece: Piece) -> torch.Tensor | None:
+        """grad_of for a ZeRO unit's piece of bucket `index`."""
+        return self.grad_of(index, piece.offset, piece.numel, piece.param)
 
     # -- after the step: parameters gathered bucket by bucket -----------------------------------------------------
     def add_gather(self, index: int, unit: Any, handle: Any) -> None:
@@ -160,6 +165,16 @@ class GradShards:
         finally:
             self._reading = False
             self.wait_all()  # what no function read: the parameters of unused layers
+
+
+def grad_shards_of(params: list[nn.Parameter]) -> GradShards | None:
+    """The stage-2 gradient shards the parameters belong to (DistributedDataParallel(zero_stage=2)), if any."""
+    owners = (getattr(p, ATTRIBUTE, None) for p in params)
+    found = {id(s): s for s in (getattr(o, "shards", None) for o in owners) if s is not None}
+    if len(found) > 1:
+        raise ValueError("these parameters belong to several DistributedDataParallel(zero_stage=2) models; "
+                         "build one ZeroRedundancyOptimizer per model")
+    return next(iter(found.values()), None)
 
 
 class Owner:

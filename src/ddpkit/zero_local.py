@@ -18,6 +18,10 @@ bitwise for every option. Everything else keeps the loop:
 - any other class (a subclass of Adam too: it may step otherwise), and groups with fused, differentiable,
   capturable or a tensor lr or betas.
 The param_groups the caller sees keep its `foreach` (None), so state_dict reads as the unsharded optimizer's.
+
+Around each local step the options travel both ways, as in torch's class: the caller's groups down into the
+local optimizer's (a scheduler sets the lr on the caller's), and after the step whatever the local step wrote into
+its groups (an optimizer that adapts its lr, a key of its own) back up (`copy_down`, `copy_up`).
 """
 
 from __future__ import annotations
@@ -55,3 +59,22 @@ def runs_foreach(optimizer_class: type, group: dict[str, Any], tensors_ok: bool)
         return False
     betas = group.get("betas", ())
     return not any(isinstance(v, torch.Tensor) for v in (group.get("lr"), *betas))
+
+
+def copy_down(optimizer_class: type, groups: list[dict], local_groups: list[dict],
+              tensors_ok: list[bool]) -> list[bool]:
+    """The caller's options into the local groups, foreach chosen where `runs_foreach`; which groups it was."""
+    chosen = []
+    for group, local, ok in zip(groups, local_groups, tensors_ok):
+        local.update((key, value) for key, value in group.items() if key != "params")
+        chosen.append(runs_foreach(optimizer_class, group, ok))
+        if chosen[-1]:
+            local["foreach"] = True  # the same bits, without the per-tensor loop
+    return chosen
+
+
+def copy_up(groups: list[dict], local_groups: list[dict], chosen: list[bool]) -> None:
+    """What the local step wrote into its groups, back into the caller's (but a foreach ddpkit chose)."""
+    for group, local, foreach in zip(groups, local_groups, chosen):
+        group.update((key, value) for key, value in local.items()
+                     if key != "params" and not (foreach and key == "foreach"))
