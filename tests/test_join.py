@@ -32,10 +32,11 @@ def _batch(name: str, rank: int, step: int, seed: int):
 
 def _train(world, impl: str, name: str, batches: list[int], how: str = "join", divide: bool = True,
            accumulate: int = 1, seed: int = 0, throw: bool = False, check_grads: bool = False,
-           before_first: bool = False, as_view: bool = False, hook: bool = False) -> dict:
+           before_first: bool = False, as_view: bool = False, hook: bool = False, epochs: int = 1) -> dict:
     """One training script: `how` is "join" (model.join()), "Join+ZeRO" or "Join+ddpkit ZeRO" (torch's
     Join([model, ZeRO]) with torch's or ddpkit's ZeroRedundancyOptimizer), "ZeRO first" (Join([ZeRO, model])),
-    "disabled" (model.join(enable=False)) or "plain" (no join). Returns the final state and what was seen."""
+    "disabled" (model.join(enable=False)) or "plain" (no join), around each of `epochs` epochs. Returns the
+    final state and what was seen."""
     import ddpkit
     import ddpkit.hooks
 
@@ -49,15 +50,15 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
     if how.startswith("Join+"):  # torch's Join([model, optimizer]) with torch's ZeRO or ddpkit's
         zero = ddpkit.ZeroRedundancyOptimizer if how == "Join+ddpkit ZeRO" else ZeroRedundancyOptimizer
         optimizer = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        context = TorchJoin([model, optimizer], divide_by_initial_world_size=divide)
+        context = lambda: TorchJoin([model, optimizer], divide_by_initial_world_size=divide)  # noqa: E731
     elif how == "ZeRO first":
         optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        context = TorchJoin([optimizer, model], divide_by_initial_world_size=divide)
+        context = lambda: TorchJoin([optimizer, model], divide_by_initial_world_size=divide)  # noqa: E731
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        # (one Join only: building one sets the wrapper's join config)
+        # (one Join at a time: building one sets the wrapper's join config)
         context = {"join": lambda: model.join(divide, True, throw), "disabled": lambda: model.join(enable=False),
-                   "plain": contextlib.nullcontext}[how]()
+                   "plain": contextlib.nullcontext}[how]
     out: dict = {"grad_errors": [], "seen_buffers": None, "error": None}
     first = ddpkit.Comm.for_group(None).seq  # this run's collectives are numbered after it
     if before_first:  # rank-specific running statistics: the first forward's broadcast shows their source
@@ -67,18 +68,19 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
         seen: list[float] = []
         net.register_forward_pre_hook(lambda m, i: seen.append(float(net.bn1.running_mean[0])))
     try:
-        with context:
-            for step in range(batches[world.rank]):
-                x, y = _batch(name, world.rank, step, seed)
-                sync = (step + 1) % accumulate == 0
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    models.loss(name, model, x, y, world.rank, step).backward()
-                if check_grads and sync:
-                    out["grad_errors"].append(_grad_error(name, net, x, y, world, batches, step, divide))
-                if sync:
-                    optimizer.step()
-                    optimizer.zero_grad()
-            out["own_state"] = _state(net)  # before the last to join hands its model to the others
+        for epoch in range(epochs):
+            with context():
+                for step in range(batches[world.rank]):
+                    x, y = _batch(name, world.rank, step, seed + epoch)
+                    sync = (step + 1) % accumulate == 0
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        models.loss(name, model, x, y, world.rank, step).backward()
+                    if check_grads and sync:
+                        out["grad_errors"].append(_grad_error(name, net, x, y, world, batches, step, divide))
+                    if sync:
+                        optimizer.step()
+                        optimizer.zero_grad()
+                out["own_state"] = _state(net)  # before the last to join hands its model to the others
     except RuntimeError as exc:
         out["error"] = str(exc)
     out["state"] = _state(net)
@@ -133,6 +135,8 @@ def two_ranks(world) -> dict:
     out["even"] = {how: run["state"] for how, run in even.items()}
     out["disabled_log"] = [what for _, _, what in even["disabled"]["log"]]
     out["bn_even"] = {how: _train(world, "ddpkit", "convbn", [2, 2], how=how)["state"] for how in ("plain", "join")}
+    # two epochs: what a rank that ran out holds in .grad when the join ends must not reach the next epoch
+    out["two_epochs"] = _compare(world, "mlp", [3, 1], epochs=2)
     out["zero_first"] = _train(world, "ddpkit", "mlp", [2, 3], how="ZeRO first")["error"]
     out["throw"] = _compare(world, "mlp", [2, 3], throw=True)  # last: it leaves the wrappers mid-iteration
     return out
@@ -148,6 +152,9 @@ def three_ranks(world) -> dict:
     # bit. (torch's wrapper leaves the joined rank its stale .grad, so torch's DDP + ZeRO is not compared.)
     out["zero"] = {how: _train(world, "ddpkit", "mlp", [2, 4, 3], how=how)
                    for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
+    # rank 1 runs out first; the branch only rank 0 takes is used at the next step, unused once rank 0 ran out
+    out["zero_branchy"] = {how: _train(world, "ddpkit", "branchy", [2, 1, 4], how=how)
+                           for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
     out["bn_source"] = _compare(world, "convbn", [1, 3, 2], before_first=True)
     out["throw"] = _compare(world, "mlp", [2, 1, 3], throw=True)
     return out
@@ -179,7 +186,7 @@ def _check_throw(results: list[dict]) -> None:
 def test_join_on_two_ranks():
     results = run_world(two_ranks, 2, deadline_s=240)
     for key, last in (("mlp", 1), ("mlp_mean", 1), ("learning", 1), ("hook_view", 0), ("bn_accumulate", 0),
-                      ("bn_source", 1)):
+                      ("bn_source", 1), ("two_epochs", 0)):
         _check_run(results, key, last)
     # the steps rank 1 trained alone were checked against the contract (sum / 2, then / 1): not both ways
     assert all(len(r["mlp"]["ours"]["grad_errors"]) == (3 if i == 0 else 5) for i, r in enumerate(results))
@@ -208,11 +215,12 @@ def test_join_on_three_ranks():
     for key, last in (("bn", 1), ("bn_tie", 2), ("bn_mean_accumulate", 0), ("bn_source", 1)):
         _check_run(results, key, last)
     for rank, result in enumerate(results):
-        runs = result["zero"]
-        for how in ("Join+ZeRO", "Join+ddpkit ZeRO"):
-            assert runs[how]["error"] is None, (how, rank, runs[how]["error"])
-            assert _diff(runs[how]["state"], runs["join"]["state"]) == 0.0, (how, rank)
-            assert runs[how]["log"] == results[0]["zero"][how]["log"], (how, rank)  # the same collectives
+        for key in ("zero", "zero_branchy"):
+            runs = result[key]
+            for how in ("Join+ZeRO", "Join+ddpkit ZeRO"):
+                assert runs[how]["error"] is None, (key, how, rank, runs[how]["error"])
+                assert _diff(runs[how]["state"], runs["join"]["state"]) == 0.0, (key, how, rank)
+                assert runs[how]["log"] == results[0][key][how]["log"], (key, how, rank)  # the same collectives
     for result in results:
         assert result["bn_source"]["ours"]["seen_buffers"] == 2.0
         assert result["bn_source"]["theirs"]["seen_buffers"] == 2.0

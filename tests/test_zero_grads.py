@@ -163,9 +163,12 @@ def join_under_stage_2(world):
         model.join()
     model.join(enable=False)  # disabled: nothing to refuse
     zero = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    for joinables in ([model], [zero]):  # torch's own Join, which asks each for its hook
-        with pytest.raises(NotImplementedError, match="zero_stage=2"):
-            TorchJoin(joinables)
+    x = torch.ones(2, 4)
+    for joinables in ([model], [model, zero]):  # torch's own Join, which asks each for its hook even disabled
+        with TorchJoin(joinables, enable=False):
+            model(x).sum().backward()
+        with pytest.raises(NotImplementedError, match="zero_stage=2"), TorchJoin(joinables):
+            model(x)  # every rank trains at its first forward: every rank raises there
     return True
 
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import ddp_checks as checks
 from .comm import Comm
 from .ddp_surface import TorchSurface, install_refusals
-from .join import Join, training_forward
+from .join import Join, refuse_stage_2, training_forward
 from .zero_grads import GradShards, check_zero_stage
 from .reducer import CommHook, Reducer
 from .timeline import recorder_for
@@ -304,8 +304,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         nothing changes. Inside, buffers come from the highest-numbered rank still training, as in torch."""
         if self.reducer is None:
             return contextlib.nullcontext()  # a world of one: nobody to wait for
-        if self.zero_stage == 2 and not enable:  # nothing to refuse (join_hook refuses zero_stage=2)
-            return contextlib.nullcontext()
+        refuse_stage_2(self.zero_stage == 2 and enable)  # a joined rank's zero buckets would land in its shard
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

@@ -79,9 +79,6 @@ class TorchSurface:
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What torch's Join runs on a rank that ran out of data (see ddpkit.join); the one keyword it reads is
         torch's: divide_by_initial_world_size (default True)."""
-        if self.zero_stage == 2:  # a joined rank's zero buckets would land in its real shard
-            raise NotImplementedError("join with zero_stage=2 is not supported yet: give every rank the same "
-                                      "number of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

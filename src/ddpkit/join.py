@@ -20,10 +20,13 @@ forward inside the context, a rank still training issues, before its module runs
 
 and its backward issues the buckets and the usage counts (in the last bucket, or on their own: ddpkit.reducer). A
 rank that ran out runs `DDPJoinHook.main_hook` once per iteration of the others: the same collectives, under the
-same names (so that the stall inspector sees one sequence on every rank), with zeros. Its .grad then holds what the
-ranks still training step with (their average, bit for bit), where torch leaves the joined rank's stale gradient:
-so a ddpkit.ZeroRedundancyOptimizer joined beside the model (`Join([model, optimizer])`), whose hook steps this
-rank's shard for the others, steps it with the right gradient. (Parameters no rank used keep theirs.)
+same names (so that the stall inspector sees one sequence on every rank), with zeros. Until the join ends its .grad
+then hold what the ranks still training step with (their average, bit for bit; None for a parameter no rank
+used), so that a ddpkit.ZeroRedundancyOptimizer joined beside the model (`Join([model, optimizer])`), whose hook
+steps this rank's shard for the others, steps it with the right gradient; torch's wrapper leaves the joined rank's
+stale gradient there. When the join ends, the .grad it had when it ran out are given back (torch's end state).
+Accumulation (no_sync) inside a Join with a ZeRO optimizer is not supported, as in torch: the optimizer's hook
+steps at every iteration of the others, synchronised or not, and the stall inspector reports the mismatch.
 
 Gradients: each rank divides its bucket by the divisor and the all-reduce sums the buckets; ranks that ran out add
 zeros. So with divide_by_initial_world_size=True (the divisor stays the world size) a gradient is the sum over the
@@ -77,8 +80,17 @@ class Join(TorchJoin):
                            "join(throw_on_early_termination=True), so every rank stops here")
 
 
+def refuse_stage_2(stage_2: bool) -> None:
+    """zero_stage=2 under an enabled join, found at its first forward, step or shadowed iteration (torch's Join
+    asks every joinable for its hook even when disabled, so the hook itself cannot refuse)."""
+    if stage_2:
+        raise NotImplementedError("join with zero_stage=2 is not supported yet: give every rank the same number "
+                                  "of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
+
+
 def training_forward(ddp: Any) -> None:
     """Steps 1 to 3 of the module docstring, before a training forward of a rank still training inside join()."""
+    refuse_stage_2(ddp.zero_stage == 2)
     comm, config, device = ddp._comm, ddp._join_config, ddp.join_device
     _wait_pending(ddp)
     if config.is_first_joinable:  # as in torch, only the first joinable tells the context it still trains
@@ -121,10 +133,12 @@ class DDPJoinHook(JoinHook):
         # torch's Join counts the ranks still training outside ddpkit's Comm; ddpkit's Join sets this.
         self.counted_in_comm = False
         self.stand_ins: list[Bucket] | None = None
+        self.kept_grads: list[torch.Tensor | None] | None = None  # this rank's .grad when it ran out
 
     def main_hook(self) -> None:
         """Shadow one training iteration of the ranks still training: steps 1 to 3, then the backward."""
         ddp = self.ddp
+        refuse_stage_2(ddp.zero_stage == 2)
         if ddp.reducer is None:
             return
         comm, device = ddp._comm, ddp.join_device
@@ -165,10 +179,20 @@ class DDPJoinHook(JoinHook):
             if usage_work is not None:
                 reducer.comm.wait(usage_work)
             counts = usage if usage_work is not None else self.stand_ins[-1].usage
-            everywhere_used = (counts > 0).tolist()
-            for bucket, result in zip(self.stand_ins, results):  # the others' average into this rank's .grad
-                bucket.write_back(result, everywhere_used)
+            self._lend_average(results, (counts > 0).tolist())
         reducer.windows += 1
+
+    def _lend_average(self, results: list[Any], everywhere_used: list[bool]) -> None:
+        """The others' average into this rank's .grad, as a rank still training holds it after zero_grad and
+        backward: new tensors, None for a parameter no rank used. The .grad this rank had when it ran out are
+        kept aside and given back by post_hook, as torch leaves them (the next epoch must not add to these)."""
+        params = self.ddp.reducer.params
+        if self.kept_grads is None:
+            self.kept_grads = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        for bucket, result in zip(self.stand_ins, results):  # stand-ins are no bucket view: copies, not views
+            bucket.write_back(result, everywhere_used)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ran out: the model of the last rank to join (the highest-numbered one of a tie) everywhere."""
@@ -177,6 +201,10 @@ class DDPJoinHook(JoinHook):
         ddp._join_config = _JoinConfig.construct_disabled_join_config()  # later forwards: no join collectives
         if ddp.reducer is None:
             return
+        if self.kept_grads is not None:
+            for param, grad in zip(ddp.reducer.params, self.kept_grads):
+                param.grad = grad
+            self.kept_grads = None
         ddp.reducer.divisor = self.divisor_before
         comm = ddp._comm
         source = int(max_over_ranks(comm, comm.rank if is_last_joiner else -1, LAST_TO_JOIN, ddp.join_device))

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .comm import Comm
-from .join import ZeroJoinHook
+from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, unit_plan
 from .zero_local import ELEMENTWISE, WHOLE_MODEL, copy_down, copy_up, foreach_tensors
 from .zero_partition import chunk_positions, partition_flat, partition_whole
@@ -162,6 +162,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             with torch.enable_grad():
                 loss = closure()
         config = self._join_config
+        refuse_stage_2(config.enable and self.grad_shards is not None)
         if config.enable and config.is_first_joinable:  # it would have to tell the Join that this rank still trains
             raise RuntimeError("a ZeroRedundancyOptimizer cannot be the first joinable of a Join: the first one "
                                "says at each iteration that its rank still trains, which the model's forward does; "
@@ -272,9 +273,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- torch's Joinable: Join([model, optimizer]) for uneven inputs ---------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        if self.grad_shards is not None:
-            raise NotImplementedError("join with zero_stage=2 is not supported yet: give every rank the same "
-                                      "number of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
         return ZeroJoinHook(self)
 
     @property
