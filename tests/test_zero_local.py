@@ -81,3 +81,20 @@ def test_the_sharded_step_runs_foreach_where_chosen_and_keeps_the_callers_option
         assert [g["foreach"] for g in zero.optim.param_groups] == [local_foreach], name
         assert zero.param_groups[0]["foreach"] == options.get("foreach"), name  # what the caller sees
         assert zero.state_dict()["param_groups"][0]["foreach"] == options.get("foreach"), name
+
+
+def test_a_factory_gets_whole_parameters_and_bad_classes_are_refused():
+    """torch's class takes any callable that builds an optimizer; ddpkit's gives it whole parameters (it is not
+    known to step elementwise) and the same result as the optimizer it builds."""
+    import functools
+
+    for factory in (lambda params, **kw: torch.optim.SGD(params, momentum=0.9, **kw),
+                    functools.partial(torch.optim.AdamW, betas=(0.8, 0.9))):
+        plain_model, sharded_model = _model(), _model()
+        plain = _train(plain_model, factory(plain_model.parameters(), lr=1e-2))
+        zero = ddpkit.ZeroRedundancyOptimizer(sharded_model.parameters(), factory, lr=1e-2)
+        sharded = _train(sharded_model, zero)
+        assert zero.whole and all(torch.equal(a, b) for a, b in zip(plain, sharded)), factory
+    for bad in (42, int):
+        with pytest.raises(TypeError, match="optimizer_class must be"):
+            ddpkit.ZeroRedundancyOptimizer(_model().parameters(), bad, lr=0.1)

@@ -39,7 +39,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from .comm import Comm
 from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, unit_plan
-from .zero_local import ELEMENTWISE, WHOLE_MODEL, copy_down, copy_up, foreach_tensors
+from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
 from .zero_unit import Unit, clip_shards_
@@ -61,13 +61,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError("overlap_with_ddp=True is torch's stage-2 hook-up; in ddpkit stage 2 is chosen on "
                              "the model: ddpkit.DistributedDataParallel(module, zero_stage=2), with this "
                              "optimizer built on its parameters and overlap_with_ddp left False")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW),"
-                            f" got {optimizer_class!r}")
-        if issubclass(optimizer_class, WHOLE_MODEL):
-            raise ValueError(f"{optimizer_class.__name__} needs the gradients of all parameters at once (global "
-                             "dot products and line searches), which a sharded optimizer cannot give it; use it "
-                             "unsharded")
+        whole = gets_whole_parameters(optimizer_class)
         self._built = False
         super().__init__(params, defaults)
         Joinable.__init__(self)
@@ -77,7 +71,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.comm = Comm.for_group(process_group)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self.whole = not issubclass(optimizer_class, ELEMENTWISE)
+        self.whole = whole
         self.units: list[Unit] = []
         self._slot_of: dict[int, tuple[int, int, int]] = {}  # id(local tensor) -> (parameter, start, stop)
         self._consolidated: dict[str, Any] | None = None
@@ -89,7 +83,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             self._build([self._shard_group(index) for index in range(len(self.param_groups))])
         else:
             if self.whole:
-                raise ValueError(f"{optimizer_class.__name__} needs whole tensors, but zero_stage=2 gives each "
+                raise ValueError(f"{name_of(optimizer_class)} needs whole tensors, but zero_stage=2 gives each "
                                  "rank flat slices of the buckets; use it with zero_stage=0 (this class is stage 1)")
             # The shards are the reducer's buckets', known after the first synchronised backward: built then.
             self.grad_shards.consumer = self

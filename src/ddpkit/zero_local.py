@@ -38,6 +38,30 @@ ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
 # Optimizers that need every parameter at once (global dot products), which no partition can serve.
 WHOLE_MODEL = (torch.optim.LBFGS,)
 
+
+
+def gets_whole_parameters(optimizer_class: Any) -> bool:
+    """Whether the shards of `optimizer_class` are whole parameters (True) or flat slices; what cannot be sharded
+    raises. A factory (a function or functools.partial that builds an optimizer, which torch's class accepts too)
+    is not known to step elementwise: whole parameters, balanced greedily."""
+    if not isinstance(optimizer_class, type):
+        if not callable(optimizer_class):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW) or "
+                            f"a function that builds one from (params, **defaults), got {optimizer_class!r}")
+        return True
+    if not issubclass(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got "
+                        f"{optimizer_class!r}")
+    if issubclass(optimizer_class, WHOLE_MODEL):
+        raise ValueError(f"{optimizer_class.__name__} needs the gradients of all parameters at once (global dot "
+                         "products and line searches), which a sharded optimizer cannot give it; use it unsharded")
+    return not issubclass(optimizer_class, ELEMENTWISE)
+
+
+def name_of(optimizer_class: Any) -> str:
+    return getattr(optimizer_class, "__name__", None) or repr(optimizer_class)
+
+
 FOREACH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)  # exactly these classes: a subclass may step otherwise
 FOREACH_DTYPES = (torch.float32, torch.float64)
 # Options under which torch's foreach path is not the loop's arithmetic, or refuses (a tensor lr or betas needs
