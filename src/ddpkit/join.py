@@ -215,7 +215,7 @@ class ZeroJoinHook(JoinHook):
     """What a rank that ran out of data does for a ddpkit.ZeroRedundancyOptimizer under a Join (torch's contract):
     at each iteration of the others it steps its shard with the .grad it holds and all-gathers it, as their
     step() does. With ddpkit's DDP in the same Join (before the optimizer) that .grad is the average the others
-    step with (DDPJoinHook.shadow_backward); under torch's DDP it must be set by hand, as torch's rule is."""
+    step with (DDPJoinHook._lend_average); under torch's DDP it must be set by hand, as torch's rule is."""
 
     def __init__(self, zero: Any):
         super().__init__()

@@ -39,7 +39,6 @@ ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
 WHOLE_MODEL = (torch.optim.LBFGS,)
 
 
-
 def gets_whole_parameters(optimizer_class: Any) -> bool:
     """Whether the shards of `optimizer_class` are whole parameters (True) or flat slices; what cannot be sharded
     raises. A factory (a function or functools.partial that builds an optimizer, which torch's class accepts too)
