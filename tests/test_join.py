@@ -34,7 +34,8 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
            accumulate: int = 1, seed: int = 0, throw: bool = False, check_grads: bool = False,
            before_first: bool = False, as_view: bool = False, hook: bool = False, epochs: int = 1) -> dict:
     """One training script: `how` is "join" (model.join()), "Join+ZeRO" or "Join+ddpkit ZeRO" (torch's
-    Join([model, ZeRO]) with torch's or ddpkit's ZeroRedundancyOptimizer), "ZeRO first" (Join([ZeRO, model])),
+    Join([model, ZeRO]) with torch's or ddpkit's ZeroRedundancyOptimizer), "ddpkit Join+ddpkit ZeRO" (ddpkit's
+    Join with ddpkit's ZeRO), "ZeRO first" (Join([ZeRO, model])),
     "disabled" (model.join(enable=False)) or "plain" (no join), around each of `epochs` epochs. Returns the
     final state and what was seen."""
     import ddpkit
@@ -47,10 +48,11 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
     if hook:  # each its own library's all-reduce hook: a rank that ran out runs it on zeros
         model.register_comm_hook(None, ddpkit.hooks.allreduce_hook if impl == "ddpkit" else
                                  default_hooks.allreduce_hook)
-    if how.startswith("Join+"):  # torch's Join([model, optimizer]) with torch's ZeRO or ddpkit's
-        zero = ddpkit.ZeroRedundancyOptimizer if how == "Join+ddpkit ZeRO" else ZeroRedundancyOptimizer
+    if how.startswith(("Join+", "ddpkit Join+")):  # Join([model, optimizer]) with torch's ZeRO or ddpkit's
+        zero = ZeroRedundancyOptimizer if how == "Join+ZeRO" else ddpkit.ZeroRedundancyOptimizer
         optimizer = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        context = lambda: TorchJoin([model, optimizer], divide_by_initial_world_size=divide)  # noqa: E731
+        join = ddpkit.Join if how.startswith("ddpkit") else TorchJoin
+        context = lambda: join([model, optimizer], divide_by_initial_world_size=divide)  # noqa: E731
     elif how == "ZeRO first":
         optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
         context = lambda: TorchJoin([optimizer, model], divide_by_initial_world_size=divide)  # noqa: E731
@@ -122,6 +124,19 @@ def _compare(world, name: str, batches: list[int], **kwargs) -> dict:
     return {"vs_torch": _diff(ours["state"], theirs["state"]), "ours": ours, "theirs": theirs}
 
 
+def _refused_order() -> str:
+    """ddpkit's Join refuses the optimizer before the model (its hook would step before the model's shadowed)."""
+    import ddpkit
+
+    model = ddpkit.DistributedDataParallel(models.make("mlp"))
+    zero = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    try:
+        ddpkit.Join([zero, model])
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def two_ranks(world) -> dict:
     out = {}
     out["mlp"] = _compare(world, "mlp", [3, 5], check_grads=True)
@@ -138,6 +153,7 @@ def two_ranks(world) -> dict:
     # two epochs: what a rank that ran out holds in .grad when the join ends must not reach the next epoch
     out["two_epochs"] = _compare(world, "mlp", [3, 1], epochs=2)
     out["zero_first"] = _train(world, "ddpkit", "mlp", [2, 3], how="ZeRO first")["error"]
+    out["zero_before_model"] = _refused_order()
     out["throw"] = _compare(world, "mlp", [2, 3], throw=True)  # last: it leaves the wrappers mid-iteration
     return out
 
@@ -155,6 +171,9 @@ def three_ranks(world) -> dict:
     # rank 1 runs out first; the branch only rank 0 takes is used at the next step, unused once rank 0 ran out
     out["zero_branchy"] = {how: _train(world, "ddpkit", "branchy", [2, 1, 4], how=how)
                            for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
+    # accumulation: the others step every second batch; under ddpkit's Join the optimizer's hook steps with them
+    out["zero_accumulate"] = {how: _train(world, "ddpkit", "mlp", [2, 6, 4], how=how, accumulate=2)
+                              for how in ("join", "ddpkit Join+ddpkit ZeRO")}
     out["bn_source"] = _compare(world, "convbn", [1, 3, 2], before_first=True)
     out["throw"] = _compare(world, "mlp", [2, 1, 3], throw=True)
     return out
@@ -208,6 +227,7 @@ def test_join_on_two_ranks():
     _check_throw(results)
     for result in results:  # every rank trains at the first step, so every rank raises there: nothing hangs
         assert "cannot be the first joinable" in result["zero_first"], result["zero_first"]
+        assert "put the model before" in result["zero_before_model"], result["zero_before_model"]
 
 
 def test_join_on_three_ranks():
@@ -215,9 +235,9 @@ def test_join_on_three_ranks():
     for key, last in (("bn", 1), ("bn_tie", 2), ("bn_mean_accumulate", 0), ("bn_source", 1)):
         _check_run(results, key, last)
     for rank, result in enumerate(results):
-        for key in ("zero", "zero_branchy"):
+        for key in ("zero", "zero_branchy", "zero_accumulate"):
             runs = result[key]
-            for how in ("Join+ZeRO", "Join+ddpkit ZeRO"):
+            for how in set(runs) - {"join"}:
                 assert runs[how]["error"] is None, (key, how, rank, runs[how]["error"])
                 assert _diff(runs[how]["state"], runs["join"]["state"]) == 0.0, (key, how, rank)
                 assert runs[how]["log"] == results[0][key][how]["log"], (key, how, rank)  # the same collectives

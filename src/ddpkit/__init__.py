@@ -8,6 +8,7 @@
 from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
 from .errors import PeerFailedError, StallError
+from .join import Join
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
@@ -45,6 +46,7 @@ __all__ = [
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
+    "Join",
     "LaunchError",
     "LaunchInfo",
     "available_backends",

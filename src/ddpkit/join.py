@@ -25,8 +25,9 @@ then hold what the ranks still training step with (their average, bit for bit; N
 used), so that a ddpkit.ZeroRedundancyOptimizer joined beside the model (`Join([model, optimizer])`), whose hook
 steps this rank's shard for the others, steps it with the right gradient; torch's wrapper leaves the joined rank's
 stale gradient there. When the join ends, the .grad it had when it ran out are given back (torch's end state).
-Accumulation (no_sync) inside a Join with a ZeRO optimizer is not supported, as in torch: the optimizer's hook
-steps at every iteration of the others, synchronised or not, and the stall inspector reports the mismatch.
+Accumulation (no_sync) with a ZeRO optimizer needs ddpkit's Join (`ddpkit.Join([model, optimizer])`), whose
+optimizer hook steps only after a synchronised iteration; under torch's Join it steps at every iteration, as
+torch's does, and the stall inspector reports the collectives' order mismatch.
 
 Gradients: each rank divides its bucket by the divisor and the all-reduce sums the buckets; ranks that ran out add
 zeros. So with divide_by_initial_world_size=True (the divisor stays the world size) a gradient is the sum over the
@@ -64,9 +65,16 @@ class Join(TorchJoin):
                  **kwargs: Any):
         super().__init__(joinables, enable, throw_on_early_termination, **kwargs)
         self._comm = Comm.for_group(self._process_group)
+        model_hook = None
         for hook in self._join_hooks:
             if isinstance(hook, DDPJoinHook):
                 hook.counted_in_comm = True
+                model_hook = model_hook or hook
+            elif isinstance(hook, ZeroJoinHook):
+                if model_hook is None and any(isinstance(h, DDPJoinHook) for h in self._join_hooks):
+                    raise ValueError("put the model before the ZeroRedundancyOptimizer in Join([model, "
+                                     "optimizer]): the optimizer's hook steps with what the model's shadowed")
+                hook.follows = model_hook  # steps only after a synchronised iteration (accumulation)
 
     # torch's Join.__exit__ loops over these two while some rank still trains.
     def _get_num_nonjoined_procs(self) -> float:
@@ -134,6 +142,7 @@ class DDPJoinHook(JoinHook):
         self.counted_in_comm = False
         self.stand_ins: list[Bucket] | None = None
         self.kept_grads: list[torch.Tensor | None] | None = None  # this rank's .grad when it ran out
+        self.synced = True  # whether the iteration this rank shadowed last synchronised its backward
 
     def main_hook(self) -> None:
         """Shadow one training iteration of the ranks still training: steps 1 to 3, then the backward."""
@@ -149,7 +158,7 @@ class DDPJoinHook(JoinHook):
             comm.broadcast_tensors(ddp._buffers_to_sync, src=source, what="module buffers")
         syncs = torch.zeros(1, device=device)
         comm.all_reduce(syncs, BACKWARD_SYNCS)
-        sync = syncs.item() > 0
+        sync = self.synced = syncs.item() > 0
         # As after a forward of its own: buffers are broadcast at the next iteration only after a synced one.
         ddp.require_forward_param_sync = sync
         if sync:
@@ -215,11 +224,17 @@ class ZeroJoinHook(JoinHook):
     """What a rank that ran out of data does for a ddpkit.ZeroRedundancyOptimizer under a Join (torch's contract):
     at each iteration of the others it steps its shard with the .grad it holds and all-gathers it, as their
     step() does. With ddpkit's DDP in the same Join (before the optimizer) that .grad is the average the others
-    step with (DDPJoinHook._lend_average); under torch's DDP it must be set by hand, as torch's rule is."""
+    step with (DDPJoinHook._lend_average); under torch's DDP it must be set by hand, as torch's rule is.
+
+    Under ddpkit's Join (ddpkit.Join([model, optimizer])) it follows the model's hook: it steps only after an
+    iteration whose backward synchronised, as the others step only then when they accumulate (no_sync). torch's
+    Join cannot tell it, and it steps at every iteration there, as torch's does."""
 
     def __init__(self, zero: Any):
         super().__init__()
         self.zero = zero
+        self.follows: DDPJoinHook | None = None  # set by ddpkit's Join
 
     def main_hook(self) -> None:
-        self.zero.step()
+        if self.follows is None or self.follows.synced:
+            self.zero.step()
