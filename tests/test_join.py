@@ -30,14 +30,34 @@ def _batch(name: str, rank: int, step: int, seed: int):
     return models.batch(name, SHARD, 1000 * seed + 10 * step + rank)
 
 
+def _optimizer_and_join(model, how: str, divide: bool, throw: bool, weight_decay: float):
+    """_train's optimizer (SGD, plain or sharded) and what makes its join context (see _train's `how`)."""
+    import ddpkit
+
+    if how.startswith(("Join+", "ddpkit Join+")):  # Join([model, optimizer]) with torch's ZeRO or ddpkit's
+        zero = ZeroRedundancyOptimizer if how == "Join+ZeRO" else ddpkit.ZeroRedundancyOptimizer
+        optimizer = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, weight_decay=weight_decay)
+        join = ddpkit.Join if how.startswith("ddpkit") else TorchJoin
+        return optimizer, lambda: join([model, optimizer], divide_by_initial_world_size=divide)
+    if how == "ZeRO first":
+        optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        return optimizer, lambda: TorchJoin([optimizer, model], divide_by_initial_world_size=divide)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=weight_decay)
+    # (one Join at a time: building one sets the wrapper's join config)
+    return optimizer, {"join": lambda: model.join(divide, True, throw), "disabled": lambda: model.join(enable=False),
+                       "plain": contextlib.nullcontext}[how]
+
+
 def _train(world, impl: str, name: str, batches: list[int], how: str = "join", divide: bool = True,
            accumulate: int = 1, seed: int = 0, throw: bool = False, check_grads: bool = False,
-           before_first: bool = False, as_view: bool = False, hook: bool = False, epochs: int = 1) -> dict:
+           before_first: bool = False, as_view: bool = False, hook: bool = False, epochs: int = 1,
+           keep_grads: bool = False, weight_decay: float = 0.0, reuse: bool = False) -> dict:
     """One training script: `how` is "join" (model.join()), "Join+ZeRO" or "Join+ddpkit ZeRO" (torch's
     Join([model, ZeRO]) with torch's or ddpkit's ZeroRedundancyOptimizer), "ddpkit Join+ddpkit ZeRO" (ddpkit's
     Join with ddpkit's ZeRO), "ZeRO first" (Join([ZeRO, model])),
-    "disabled" (model.join(enable=False)) or "plain" (no join), around each of `epochs` epochs. Returns the
-    final state and what was seen."""
+    "disabled" (model.join(enable=False)) or "plain" (no join), around each of `epochs` epochs (reuse: one Join
+    object entered at each). SGD with weight_decay; keep_grads: zero_grad(set_to_none=False). Returns the final
+    state and what was seen."""
     import ddpkit
     import ddpkit.hooks
 
@@ -48,19 +68,7 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
     if hook:  # each its own library's all-reduce hook: a rank that ran out runs it on zeros
         model.register_comm_hook(None, ddpkit.hooks.allreduce_hook if impl == "ddpkit" else
                                  default_hooks.allreduce_hook)
-    if how.startswith(("Join+", "ddpkit Join+")):  # Join([model, optimizer]) with torch's ZeRO or ddpkit's
-        zero = ZeroRedundancyOptimizer if how == "Join+ZeRO" else ddpkit.ZeroRedundancyOptimizer
-        optimizer = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        join = ddpkit.Join if how.startswith("ddpkit") else TorchJoin
-        context = lambda: join([model, optimizer], divide_by_initial_world_size=divide)  # noqa: E731
-    elif how == "ZeRO first":
-        optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        context = lambda: TorchJoin([optimizer, model], divide_by_initial_world_size=divide)  # noqa: E731
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        # (one Join at a time: building one sets the wrapper's join config)
-        context = {"join": lambda: model.join(divide, True, throw), "disabled": lambda: model.join(enable=False),
-                   "plain": contextlib.nullcontext}[how]
+    optimizer, context = _optimizer_and_join(model, how, divide, throw, weight_decay)
     out: dict = {"grad_errors": [], "seen_buffers": None, "error": None}
     first = ddpkit.Comm.for_group(None).seq  # this run's collectives are numbered after it
     if before_first:  # rank-specific running statistics: the first forward's broadcast shows their source
@@ -69,6 +77,8 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
                 module.running_mean.fill_(float(world.rank))
         seen: list[float] = []
         net.register_forward_pre_hook(lambda m, i: seen.append(float(net.bn1.running_mean[0])))
+    if reuse:
+        context = (lambda once: lambda: once)(context())
     try:
         for epoch in range(epochs):
             with context():
@@ -81,7 +91,7 @@ def _train(world, impl: str, name: str, batches: list[int], how: str = "join", d
                         out["grad_errors"].append(_grad_error(name, net, x, y, world, batches, step, divide))
                     if sync:
                         optimizer.step()
-                        optimizer.zero_grad()
+                        optimizer.zero_grad(set_to_none=not keep_grads)
                 out["own_state"] = _state(net)  # before the last to join hands its model to the others
     except RuntimeError as exc:
         out["error"] = str(exc)
@@ -133,6 +143,7 @@ def _refused_order() -> str:
     try:
         ddpkit.Join([zero, model])
     except ValueError as exc:
+        zero.step()  # usable outside any Join after the refusal
         return str(exc)
     return "accepted"
 
@@ -171,6 +182,12 @@ def three_ranks(world) -> dict:
     # rank 1 runs out first; the branch only rank 0 takes is used at the next step, unused once rank 0 ran out
     out["zero_branchy"] = {how: _train(world, "ddpkit", "branchy", [2, 1, 4], how=how)
                            for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
+    # zero_grad(set_to_none=False): the branch no rank uses any more gets zeros, so weight decay still acts
+    out["zero_branchy_keep"] = {how: _train(world, "ddpkit", "branchy", [2, 1, 4], how=how, keep_grads=True,
+                                            weight_decay=0.1) for how in ("join", "Join+ZeRO", "Join+ddpkit ZeRO")}
+    # one ddpkit Join entered at each of two epochs
+    out["zero_reuse"] = {how: _train(world, "ddpkit", "mlp", [1, 3, 2], how=how, epochs=2, reuse=True)
+                         for how in ("join", "ddpkit Join+ddpkit ZeRO")}
     # accumulation: the others step every second batch; under ddpkit's Join the optimizer's hook steps with them
     out["zero_accumulate"] = {how: _train(world, "ddpkit", "mlp", [2, 6, 4], how=how, accumulate=2)
                               for how in ("join", "ddpkit Join+ddpkit ZeRO")}
@@ -235,7 +252,7 @@ def test_join_on_three_ranks():
     for key, last in (("bn", 1), ("bn_tie", 2), ("bn_mean_accumulate", 0), ("bn_source", 1)):
         _check_run(results, key, last)
     for rank, result in enumerate(results):
-        for key in ("zero", "zero_branchy", "zero_accumulate"):
+        for key in ("zero", "zero_branchy", "zero_branchy_keep", "zero_reuse", "zero_accumulate"):
             runs = result[key]
             for how in set(runs) - {"join"}:
                 assert runs[how]["error"] is None, (key, how, rank, runs[how]["error"])

@@ -163,12 +163,12 @@ def join_under_stage_2(world):
         model.join()
     model.join(enable=False)  # disabled: nothing to refuse
     zero = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    x = torch.ones(2, 4)
-    for joinables in ([model], [model, zero]):  # torch's own Join, which asks each for its hook even disabled
-        with TorchJoin(joinables, enable=False):
-            model(x).sum().backward()
-        with pytest.raises(NotImplementedError, match="zero_stage=2"), TorchJoin(joinables):
-            model(x)  # every rank trains at its first forward: every rank raises there
+    for joinables in ([model], [zero], [model, zero]):  # torch's Join asks each for its hook, even disabled
+        for enable in (True, False):
+            with pytest.raises(NotImplementedError, match="zero_stage=2"):
+                TorchJoin(joinables, enable=enable)  # on every rank, before any collective
+    model(torch.ones(2, 4)).sum().backward()  # and both still train outside any Join
+    zero.step()
     return True
 
 

@@ -88,13 +88,15 @@ def test_a_factory_gets_whole_parameters_and_bad_classes_are_refused():
     known to step elementwise) and the same result as the optimizer it builds."""
     import functools
 
-    for factory in (lambda params, **kw: torch.optim.SGD(params, momentum=0.9, **kw),
-                    functools.partial(torch.optim.AdamW, betas=(0.8, 0.9))):
+    for factory, whole in ((lambda params, **kw: torch.optim.SGD(params, momentum=0.9, **kw), True),
+                           (functools.partial(torch.optim.AdamW, betas=(0.8, 0.9)), False)):  # AdamW's rules
         plain_model, sharded_model = _model(), _model()
         plain = _train(plain_model, factory(plain_model.parameters(), lr=1e-2))
         zero = ddpkit.ZeroRedundancyOptimizer(sharded_model.parameters(), factory, lr=1e-2)
         sharded = _train(sharded_model, zero)
-        assert zero.whole and all(torch.equal(a, b) for a, b in zip(plain, sharded)), factory
+        assert zero.whole == whole and all(torch.equal(a, b) for a, b in zip(plain, sharded)), factory
     for bad in (42, int):
         with pytest.raises(TypeError, match="optimizer_class must be"):
             ddpkit.ZeroRedundancyOptimizer(_model().parameters(), bad, lr=0.1)
+    with pytest.raises(ValueError, match="LBFGS"):
+        ddpkit.ZeroRedundancyOptimizer(_model().parameters(), functools.partial(torch.optim.LBFGS), lr=0.1)

@@ -304,7 +304,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         nothing changes. Inside, buffers come from the highest-numbered rank still training, as in torch."""
         if self.reducer is None:
             return contextlib.nullcontext()  # a world of one: nobody to wait for
-        refuse_stage_2(self.zero_stage == 2 and enable)  # a joined rank's zero buckets would land in its shard
+        if self.zero_stage == 2:
+            refuse_stage_2(enable)
+            return contextlib.nullcontext()  # disabled: a Join would ask for the hook, which refuses stage 2
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from . import hooks
-from .join import DDPJoinHook
+from .join import DDPJoinHook, refuse_stage_2
 
 # torch's own methods that read no field of torch's wrapper: they work on ours as they are.
 INHERITED = frozenset({
@@ -79,6 +79,7 @@ class TorchSurface:
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """What torch's Join runs on a rank that ran out of data (see ddpkit.join); the one keyword it reads is
         torch's: divide_by_initial_world_size (default True)."""
+        refuse_stage_2(self.zero_stage == 2)  # a joined rank's zero buckets would land in its real shard
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

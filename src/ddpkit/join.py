@@ -72,9 +72,17 @@ class Join(TorchJoin):
                 model_hook = model_hook or hook
             elif isinstance(hook, ZeroJoinHook):
                 if model_hook is None and any(isinstance(h, DDPJoinHook) for h in self._join_hooks):
+                    for joinable in joinables:  # as before this Join: usable outside any
+                        joinable._join_config = _JoinConfig.construct_disabled_join_config()
                     raise ValueError("put the model before the ZeroRedundancyOptimizer in Join([model, "
                                      "optimizer]): the optimizer's hook steps with what the model's shadowed")
                 hook.follows = model_hook  # steps only after a synchronised iteration (accumulation)
+
+    def __enter__(self) -> Join:
+        """Entered again (one Join around each epoch): the joinables' configs anew, which the model's post_hook
+        turned off when the last join ended (so that forwards outside it issue no join collectives)."""
+        self._set_joinable_configs()
+        return self
 
     # torch's Join.__exit__ loops over these two while some rank still trains.
     def _get_num_nonjoined_procs(self) -> float:
@@ -89,8 +97,8 @@ class Join(TorchJoin):
 
 
 def refuse_stage_2(stage_2: bool) -> None:
-    """zero_stage=2 under an enabled join, found at its first forward, step or shadowed iteration (torch's Join
-    asks every joinable for its hook even when disabled, so the hook itself cannot refuse)."""
+    """zero_stage=2 under a Join: refused when the Join asks for the hooks, on every rank before any collective
+    (torch's Join asks even when disabled; the hook cannot know, so a disabled Join is refused too)."""
     if stage_2:
         raise NotImplementedError("join with zero_stage=2 is not supported yet: give every rank the same number "
                                   "of batches (ddpkit.DistributedSampler does), or use zero_stage=0")
@@ -98,7 +106,6 @@ def refuse_stage_2(stage_2: bool) -> None:
 
 def training_forward(ddp: Any) -> None:
     """Steps 1 to 3 of the module docstring, before a training forward of a rank still training inside join()."""
-    refuse_stage_2(ddp.zero_stage == 2)
     comm, config, device = ddp._comm, ddp._join_config, ddp.join_device
     _wait_pending(ddp)
     if config.is_first_joinable:  # as in torch, only the first joinable tells the context it still trains
@@ -147,7 +154,6 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Shadow one training iteration of the ranks still training: steps 1 to 3, then the backward."""
         ddp = self.ddp
-        refuse_stage_2(ddp.zero_stage == 2)
         if ddp.reducer is None:
             return
         comm, device = ddp._comm, ddp.join_device
@@ -193,8 +199,9 @@ class DDPJoinHook(JoinHook):
 
     def _lend_average(self, results: list[Any], everywhere_used: list[bool]) -> None:
         """The others' average into this rank's .grad, as a rank still training holds it after zero_grad and
-        backward: new tensors, None for a parameter no rank used. The .grad this rank had when it ran out are
-        kept aside and given back by post_hook, as torch leaves them (the next epoch must not add to these)."""
+        backward: new tensors; for a parameter no rank used None, or zeros where this rank's .grad were tensors
+        when it ran out (zero_grad(set_to_none=False)). The .grad it had then are kept aside and given back by
+        post_hook, as torch leaves them (the next epoch must not add to these)."""
         params = self.ddp.reducer.params
         if self.kept_grads is None:
             self.kept_grads = [p.grad for p in params]
@@ -202,6 +209,9 @@ class DDPJoinHook(JoinHook):
             param.grad = None
         for bucket, result in zip(self.stand_ins, results):  # stand-ins are no bucket view: copies, not views
             bucket.write_back(result, everywhere_used)
+        for param, kept in zip(params, self.kept_grads):  # unused everywhere: zeros after zero_grad(False)
+            if param.grad is None and kept is not None:
+                param.grad = torch.zeros_like(kept)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ran out: the model of the last rank to join (the highest-numbered one of a tie) everywhere."""

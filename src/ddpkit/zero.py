@@ -156,8 +156,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             with torch.enable_grad():
                 loss = closure()
         config = self._join_config
-        refuse_stage_2(config.enable and self.grad_shards is not None)
         if config.enable and config.is_first_joinable:  # it would have to tell the Join that this rank still trains
+            self._join_config = config.construct_disabled_join_config()  # usable again outside any Join
             raise RuntimeError("a ZeroRedundancyOptimizer cannot be the first joinable of a Join: the first one "
                                "says at each iteration that its rank still trains, which the model's forward does; "
                                "write Join([model, optimizer])")
@@ -267,6 +267,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- torch's Joinable: Join([model, optimizer]) for uneven inputs ---------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        refuse_stage_2(self.grad_shards is not None)
         return ZeroJoinHook(self)
 
     @property

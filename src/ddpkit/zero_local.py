@@ -26,6 +26,7 @@ its groups (an optimizer that adapts its lr, a key of its own) back up (`copy_do
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,10 @@ WHOLE_MODEL = (torch.optim.LBFGS,)
 
 def gets_whole_parameters(optimizer_class: Any) -> bool:
     """Whether the shards of `optimizer_class` are whole parameters (True) or flat slices; what cannot be sharded
-    raises. A factory (a function or functools.partial that builds an optimizer, which torch's class accepts too)
-    is not known to step elementwise: whole parameters, balanced greedily."""
+    raises. A factory (a function that builds an optimizer, which torch's class accepts too) is not known to step
+    elementwise: whole parameters, balanced greedily. functools.partial of a class follows that class's rules."""
+    if isinstance(optimizer_class, functools.partial) and isinstance(optimizer_class.func, type):
+        return gets_whole_parameters(optimizer_class.func)  # partial(AdamW, betas=...): AdamW's rules
     if not isinstance(optimizer_class, type):
         if not callable(optimizer_class):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW) or "
