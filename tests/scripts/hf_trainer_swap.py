@@ -55,3 +55,6 @@ def train(out_dir: str) -> None:
 train(os.path.join(sys.argv[1], "torch"))
 torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
 train(os.path.join(sys.argv[1], "ours"))
+# The Trainer made the process group and leaves it; left to interpreter exit, gloo's threads are torn down there
+# (a rare "terminate called without an active exception" abort after the script's last line, seen in CI).
+torch.distributed.destroy_process_group()
