@@ -3,7 +3,7 @@
 One table, one row per misuse: (name, how to commit it with a given wrapper class, a pattern ddpkit's message
 must match). Both wrappers commit every misuse in one spawned world of one gloo rank (torch's wrapper needs a
 process group); a second table holds the misuses torch accepts silently and ddpkit refuses on purpose.
-A model that differs across ranks is a RuntimeError in both (tests/test_ddp.py checks ddpkit's on every rank;
+A model that differs across ranks is a RuntimeError in both (the last test checks ddpkit's on every rank;
 torch's raises on one rank and leaves the other waiting in its parameter broadcast, so it is not run here).
 """
 
@@ -194,3 +194,18 @@ def test_world_of_one_is_a_thin_wrapper():
     assert ddp.broadcast_buffers is True and ddp.bucket_bytes_cap == 25 * 1024 * 1024
     ddp.train(False)
     assert not model.training
+
+
+def mismatched_model(world):
+    import ddpkit
+
+    hidden = 32 if world.rank != 1 else 31
+    ddpkit.DistributedDataParallel(models.MLP(hidden=hidden))
+    return "constructed"
+
+
+def test_model_mismatch_fails_on_every_rank():
+    outcomes = run_world(mismatched_model, 3, expect_errors=True, deadline_s=60)
+    for status, text in outcomes:
+        assert status == "error", "a rank built a DDP over a mismatched model"
+        assert "rank 1" in text and "net.0.weight" in text and "[31, 12]" in text, text

@@ -86,40 +86,6 @@ def test_excepthook_writes_torchelastic_error_file(tmp_path, monkeypatch):
     assert not errors.write_error_file(str(path), {"other": 1})  # @record's file (the same error) is kept
 
 
-def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
-    def failure(rank, exitcode, trace=None, when=0):
-        data = {"message": {"message": "E", "extraInfo": {"py_callstack": trace, "timestamp": "5"}}} if trace else {}
-        error_file = tmp_path / f"{rank}.json"
-        if trace:
-            error_file.write_text("{}")
-            os.utime(error_file, ns=(when, when))
-        return types.SimpleNamespace(local_rank=rank, pid=100 + rank, exitcode=exitcode, timestamp=5,
-                                     error_file=str(error_file), error_file_data=data)
-
-    # rank 0 raised only because rank 2 died first (a later file); rank 1 was stopped by the agent
-    failures = {0: failure(0, 1, "Peer failed", when=2_000), 1: failure(1, -15),
-                2: failure(2, 1, "ValueError: x", when=1_000)}
-    assert summary.root_cause(failures) == 2
-    text = summary.failure_summary(failures)
-    assert "root cause: rank 2" in text and "ValueError: x" in text and "rank 1 killed by SIGTERM" in text
-    # no traceback anywhere: the worker that died on its own beats the ones the agent stopped
-    out = tmp_path / "rank1.log"
-    out.write_text("".join(f"line {i}\n" for i in range(50)))
-    failures = {0: failure(0, -15), 1: failure(1, -9), 2: failure(2, -11)}
-    assert summary.root_cause(failures) == 2
-    text = summary.failure_summary({0: failure(0, -15), 1: failure(1, 3)}, {1: str(out)})
-    assert "root cause: rank 1" in text and "exited with code 3" in text and "line 49" in text
-    assert "line 29" not in text  # only the tail
-    # torchelastic's "<NONE>" for a worker without an error file is no traceback: its output tail is shown,
-    # and a peer that raised only because that worker vanished is not blamed
-    killed = failure(0, -9)
-    killed.error_file, killed.error_file_data = str(tmp_path / "missing.json"), {"message": "<NONE>"}
-    consequence = failure(1, -15, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1", when=500)
-    assert summary.root_cause({0: killed, 1: consequence}) == 0
-    text = summary.failure_summary({0: killed, 1: consequence}, {0: str(out)})
-    assert "root cause: rank 0" in text and "<NONE>" not in text and "line 49" in text
-
-
 # ---------------------------------------------------------------------------------------------------------
 # One script under every launcher
 # ---------------------------------------------------------------------------------------------------------

@@ -353,27 +353,6 @@ def test_the_interpreter_exits_cleanly_while_the_inspector_polls():
         assert "terminate called" not in done.stderr
 
 
-def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a_closed_connection(tmp_path):
-    import types
-
-    from ddpkit import summary
-
-    def failure(rank, trace, when):
-        path = tmp_path / f"{rank}.json"
-        path.write_text("{}")
-        os.utime(path, ns=(when, when))
-        data = {"message": {"message": "E", "extraInfo": {"py_callstack": trace, "timestamp": "5"}}}
-        return types.SimpleNamespace(local_rank=rank, pid=rank, exitcode=1, timestamp=5, error_file=str(path),
-                                     error_file_data=data)
-
-    quoted = "ddpkit.errors.PeerLeftError: rank 2 left the job early ...\n(the collective failed with: " \
-             "Connection reset by peer)"
-    failures = {0: failure(0, "RuntimeError: Connection reset by peer", 1_000), 1: failure(1, quoted, 2_000)}
-    assert summary.root_cause(failures) == 1
-    failures[1] = failure(1, "RuntimeError: Connection reset by peer", 2_000)  # no explanation: the earliest
-    assert summary.root_cause(failures) == 0
-
-
 def again_on_the_same_store(world):
     """A process group of the same ranks made again on the same store (destroy_process_group, then
     init_process_group, under torchrun's agent store; here two new_group calls): the second group's inspector
