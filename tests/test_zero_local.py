@@ -100,3 +100,43 @@ def test_a_factory_gets_whole_parameters_and_bad_classes_are_refused():
             ddpkit.ZeroRedundancyOptimizer(_model().parameters(), bad, lr=0.1)
     with pytest.raises(ValueError, match="LBFGS"):
         ddpkit.ZeroRedundancyOptimizer(_model().parameters(), functools.partial(torch.optim.LBFGS), lr=0.1)
+
+
+class _SubAdamW(torch.optim.AdamW):
+    """Not torch's own class: its step runs once for all units, and takes the closure (torch's hands it over)."""
+
+
+class _KeywordSGD(torch.optim.SGD):
+    """torch's test_step_with_kwargs' optimizer: a step keyword of its own; records the closure it was given."""
+
+    def step(self, closure=None, calls=None):
+        super().step()
+        calls.append(closure)
+
+
+def test_the_closure_is_handed_to_the_wrapped_step():
+    """step(closure) runs the closure inside the wrapped step, whose backward makes new .grad (the ones set
+    before are wrong on purpose): the same parameters and losses as the unsharded optimizer. torch's
+    test_step_with_kwargs calls step(0, calls=...): the 0 reaches the wrapped step as it came."""
+    models = [_model(), _model()]
+    opts = [_SubAdamW(models[0].parameters(), lr=0.1),
+            ddpkit.ZeroRedundancyOptimizer(models[1].parameters(), _SubAdamW, lr=0.1)]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    losses = [[], []]
+    for model, opt, seen in zip(models, opts, losses):
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 7.0)
+
+            def closure(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = model(x).square().sum()
+                loss.backward()
+                return loss
+
+            seen.append(opt.step(closure).item())
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert losses[0] == losses[1] and len(set(losses[0])) == 3, losses
+    calls = []
+    ddpkit.ZeroRedundancyOptimizer([torch.ones(2, requires_grad=True)], _KeywordSGD, lr=0.1).step(0, calls=calls)
+    assert calls == [0]

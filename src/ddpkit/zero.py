@@ -42,7 +42,7 @@ from .zero_grads import grad_shards_of, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import COUNT_KEYS, merge_pieces, slice_state
-from .zero_unit import Unit, clip_shards_
+from .zero_unit import Unit, clip_shards_, relending
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -150,23 +150,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then all-gather the updated shards so every replica is whole and identical.
-        kwargs go to the wrapped optimizer's step (torch's), which then runs once for all units on every rank."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        kwargs go to the wrapped optimizer's step (torch's), which then runs once for all units on every rank;
+        so does the closure there at stage 1, as torch's hands it over (else it is evaluated here, first)."""
         config = self._join_config
         if config.enable and config.is_first_joinable:  # it would have to tell the Join that this rank still trains
             self._join_config = config.construct_disabled_join_config()  # usable again outside any Join
             raise RuntimeError("a ZeroRedundancyOptimizer cannot be the first joinable of a Join: the first one "
                                "says at each iteration that its rank still trains, which the model's forward does; "
                                "write Join([model, optimizer])")
+        loss = None
+        one_step = self.whole or bool(kwargs) or self.optimizer_class not in ELEMENTWISE
+        handed = closure if one_step and self.grad_shards is None else None
+        if closure is not None and handed is None:
+            with torch.enable_grad():
+                loss = closure()
         self._ensure_built()
         for unit in self.units:
             unit.follow(self.units)
         chosen = copy_down(self.optimizer_class, self.param_groups, self.optim.param_groups, self._foreach_ok)
         self._consolidated = None
-        for unit, handle in self._step_and_gather(kwargs):
+        started, returned = self._step_and_gather(one_step, kwargs, handed)
+        for unit, handle in started:
             if self.grad_shards is not None:
                 self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
             else:
@@ -174,9 +178,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         copy_up(self.param_groups, self.optim.param_groups, chosen)
         if self.grad_shards is not None:
             self.grad_shards.stepped_on()
-        return loss
+        return loss if returned is None else returned  # torch's returns what the wrapped step returned
 
-    def _step_and_gather(self, kwargs: dict[str, Any]) -> list[tuple[Unit, Any]]:
+    def _step_and_gather(self, one_step: bool, kwargs: dict[str, Any],
+                         closure: Any = None) -> tuple[list[tuple[Unit, Any]], Any]:
         """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps. (Each
         local step sees only that unit's gradients; an elementwise optimizer skips the others, so the result is
         that of one step over all.) A shape-aware optimizer reads the parameters' own .grad: one step for all.
@@ -184,19 +189,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         starts sooner. Stage 1 waits for every gather before step() returns: the largest units go first, so
         that the longest transfers run while the smaller units step (the same order on every rank). With step
         kwargs, and for any class but torch's own, the local step runs once on every rank (torch's class does so:
-        an optimizer that counts or logs its steps, or writes its groups, sees one step per step())."""
+        an optimizer that counts or logs its steps, or writes its groups, sees one step per step()), and with
+        the closure, if any (`relending`). Returns the gathers started and what that one step returned."""
         units = list(reversed(self.units))
         if self.grad_shards is None:
             units.sort(key=lambda unit: -unit.plan.segment_numel)
-        if self.whole or kwargs or self.optimizer_class not in ELEMENTWISE:  # a subclass: its step may count
+        if one_step:
             for unit in units:
                 unit.lend_grads()
             try:
-                self.optim.step(**kwargs)
+                returned = self.optim.step(**kwargs) if closure is None else \
+                    self.optim.step(closure=relending(closure, units), **kwargs)
             finally:
                 for unit in units:
                     unit.take_back_grads()
-            return [(unit, unit.start_gather()) for unit in units]
+            return [(unit, unit.start_gather()) for unit in units], returned
         started = []
         for unit in units:
             if unit.mine:
@@ -206,7 +213,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 finally:
                     unit.take_back_grads()
             started.append((unit, unit.start_gather()))
-        return started
+        return started, None
 
     def wait_for_params(self) -> None:
         """Stage 2: wait for every parameter all-gather the last step left in flight. Reads through torch

@@ -167,6 +167,23 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def relending(closure: Any, units: list[Unit]) -> Any:
+    """The closure handed to the wrapped optimizer's step (torch's class hands it over): run with gradients on,
+    then the units lend their flat views again, of the .grad its backward made (views lent before it would be
+    of the old ones). Anything not callable goes as it came, as torch's passes it."""
+    if not callable(closure):
+        return closure
+
+    def run() -> Any:
+        with torch.enable_grad():
+            loss = closure()
+        for unit in units:
+            unit.lend_grads()
+        return loss
+
+    return run
+
+
 def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
     norm_type = float(norm_type)
