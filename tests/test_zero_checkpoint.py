@@ -116,3 +116,56 @@ def test_trainer_stages_resume_across_stages_and_world_sizes(tmp_path):
                 f"{label}, step {step}: {got[step]} against stage 2's uninterrupted {(loss, norm)}"
     files = os.listdir(f"{out}/z2/checkpoint-4")
     assert "optimizer.pt" not in files and {"optimizer_shard_0.pt", "optimizer_shard_1.pt"} <= set(files)
+
+
+def channels_last_run(world, folder):
+    """ConvBN in channels_last (conv2.weight is not contiguous; conv1.weight, one channel in, still is): stage 1 against DDP + AdamW, bitwise, the
+    consolidated state torch's, and its sharded checkpoint loaded into a contiguous model on the same ranks;
+    stage 2 refuses such parameters, clearly, on every rank."""
+    import ddpkit
+    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+
+    runs = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        module = models.make("convbn").to(memory_format=torch.channels_last)
+        model = ddpkit.DistributedDataParallel(module)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1) \
+            if sharded else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            x, y = models.micro("convbn", step, 0, world.world_size, 2)[world.rank]
+            opt.zero_grad()
+            models.loss("convbn", model, x, y, world.rank, step).backward()
+            opt.step()
+        runs.append((module, model, opt))
+    (plain, _, adamw), (module, model, zero) = runs
+    out = {"bitwise": all(torch.equal(a, b) for a, b in zip(plain.parameters(), module.parameters())),
+           "whole units": sorted(unit.plan.whole for unit in zero.units),
+           "strided": [not p.is_contiguous() for p in module.parameters()]}
+    zero.consolidate_state_dict(to=0)
+    if world.rank == 0:
+        mine, theirs = zero.state_dict()["state"], adamw.state_dict()["state"]
+        out["state"] = mine.keys() == theirs.keys() and all(torch.equal(mine[i][k], v) for i, s in theirs.items()
+                                                            for k, v in s.items())
+    save_checkpoint(folder, 3, model=module, optimizer=zero, trainer_state={"global_step": 3},
+                    comm=ddpkit.Comm.for_group(), world=world)
+    torch.manual_seed(1)
+    contiguous = models.make("convbn")
+    loaded = ddpkit.ZeroRedundancyOptimizer(contiguous.parameters(), torch.optim.AdamW, lr=1e-2)
+    load_checkpoint(os.path.join(folder, "checkpoint-3"), model=contiguous, optimizer=loaded, world=world)
+    loaded.consolidate_state_dict(to=0)
+    if world.rank == 0:
+        again = loaded.state_dict()["state"]
+        out["loaded"] = all(torch.equal(again[i][k], v) for i, s in adamw.state_dict()["state"].items()
+                            for k, v in s.items())
+    with pytest.raises(ValueError, match=r"zero_stage=2 needs contiguous parameters, and 'conv2.weight'"):
+        ddpkit.DistributedDataParallel(models.make("convbn").to(memory_format=torch.channels_last), zero_stage=2)
+    return out
+
+
+def test_channels_last_parameters_step_whole_and_checkpoint_across_layouts(tmp_path):
+    results = run_world(channels_last_run, 2, args=(str(tmp_path),), deadline_s=120)
+    for rank, got in enumerate(results):
+        assert got["bitwise"], f"rank {rank}: stage 1 differs from AdamW on channels_last parameters"
+        assert got["whole units"] == [False, True] and sum(got["strided"]) == 1, got
+    assert results[0]["state"] and results[0]["loaded"], results[0]

@@ -120,20 +120,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         first = sum(len(g["params"]) for g in self.param_groups[:index])
         by_kind: dict[tuple, list[int]] = {}
         for position, param in enumerate(group["params"]):
-            by_kind.setdefault((param.dtype, param.device), []).append(position)
+            # A flat slice is a view only of a contiguous parameter: one that is not (channels_last, a transpose)
+            # goes whole to one rank, whose optimizer steps it as it is (torch's class partitions so always).
+            whole = self.whole or not (param.is_contiguous() or self.parameters_as_bucket_view)
+            by_kind.setdefault((param.dtype, param.device, whole), []).append(position)
         local: list[torch.Tensor] = []
-        for positions in (c for same in by_kind.values() for c in chunk_positions(group["params"], same)):
-            params = [group["params"][p] for p in positions]
-            numels = [p.numel() for p in params]
-            cut = partition_whole if self.whole else partition_flat
-            unit = Unit(f"group {index}", [first + p for p in positions], params, [index] * len(params),
-                        cut(numels, self.world_size), self.comm, self.parameters_as_bucket_view)
-            self.units.append(unit)
-            for piece, tensor in zip(unit.mine, unit.locals):
-                self._slot_of[id(tensor)] = (unit.indices[piece.param], piece.start, piece.stop)
-                local.append(tensor)
+        for (*_, whole), same in by_kind.items():
+            for positions in chunk_positions(group["params"], same):
+                local += self._add_unit(index, first, positions, partition_whole if whole else partition_flat)
         options = {key: value for key, value in group.items() if key != "params"}
         return {**options, "params": local}
+
+    def _add_unit(self, index: int, first: int, positions: list[int], cut: Callable) -> list[torch.Tensor]:
+        """A unit of param group `index`'s parameters at `positions`, cut among the ranks; its local tensors."""
+        group = self.param_groups[index]
+        params = [group["params"][p] for p in positions]
+        unit = Unit(f"group {index}", [first + p for p in positions], params, [index] * len(params),
+                    cut([p.numel() for p in params], self.world_size), self.comm, self.parameters_as_bucket_view)
+        self.units.append(unit)
+        for piece, tensor in zip(unit.mine, unit.locals):
+            self._slot_of[id(tensor)] = (unit.indices[piece.param], piece.start, piece.stop)
+        return unit.locals
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's: the new group is partitioned among the ranks on its own (existing shards do not move)."""
@@ -159,7 +166,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                                "says at each iteration that its rank still trains, which the model's forward does; "
                                "write Join([model, optimizer])")
         loss = None
-        one_step = self.whole or bool(kwargs) or self.optimizer_class not in ELEMENTWISE
+        one_step = any(u.plan.whole for u in self.units) or bool(kwargs) or self.optimizer_class not in ELEMENTWISE
         handed = closure if one_step and self.grad_shards is None else None
         if closure is not None and handed is None:
             with torch.enable_grad():
@@ -182,15 +189,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _step_and_gather(self, one_step: bool, kwargs: dict[str, Any],
                          closure: Any = None) -> tuple[list[tuple[Unit, Any]], Any]:
-        """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps. (Each
-        local step sees only that unit's gradients; an elementwise optimizer skips the others, so the result is
-        that of one step over all.) A shape-aware optimizer reads the parameters' own .grad: one step for all.
-        Stage 2: the first layers' buckets come last in index order, gathered first so that the next forward
-        starts sooner. Stage 1 waits for every gather before step() returns: the largest units go first, so
-        that the longest transfers run while the smaller units step (the same order on every rank). With step
-        kwargs, and for any class but torch's own, the local step runs once on every rank (torch's class does so:
-        an optimizer that counts or logs its steps, or writes its groups, sees one step per step()), and with
-        the closure, if any (`relending`). Returns the gathers started and what that one step returned."""
+        """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps (each
+        local step sees only that unit's gradients; an elementwise optimizer skips the others). Stage 2: the
+        first layers' buckets, last in index order, are gathered first, so that the next forward starts sooner.
+        Stage 1 waits for every gather in step(): the largest units go first, their transfers running while the
+        smaller ones step. `one_step` (whole parameters, which step with their own .grad; step kwargs; any class
+        but torch's own, whose step may count or log): one local step for all units, on every rank, as torch's
+        class does, with the closure if any (`relending`). Returns the gathers and what that one step returned."""
         units = list(reversed(self.units))
         if self.grad_shards is None:
             units.sort(key=lambda unit: -unit.plan.segment_numel)

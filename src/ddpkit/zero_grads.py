@@ -47,8 +47,22 @@ def check_zero_stage(stage: Any) -> int:
     return int(stage)
 
 
+def _refuse_strided(module: nn.Module, params: list[nn.Parameter]) -> None:
+    """Each rank's updated flat slice of a bucket is gathered straight into the parameters: views of them, which
+    a parameter that is not contiguous (channels_last, a transpose) cannot give."""
+    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    for param in params:
+        if not param.is_contiguous():
+            raise ValueError(f"zero_stage=2 needs contiguous parameters, and {names.get(id(param), 'one')!r} "
+                             f"{tuple(param.shape)} is not (strides {param.stride()}, channels_last or a view): "
+                             "use zero_stage=0 with ddpkit.ZeroRedundancyOptimizer (stage 1 steps such a "
+                             "parameter whole), or make it contiguous (model.to(memory_format=torch."
+                             "contiguous_format))")
+
+
 class GradShards:
     def __init__(self, module: nn.Module, params: list[nn.Parameter], comm: Comm):
+        _refuse_strided(module, params)
         self.comm = comm
         self.params = params
         self.reduction = ReduceScatter(comm, on_shard=self._receive)
