@@ -119,9 +119,9 @@ def test_trainer_stages_resume_across_stages_and_world_sizes(tmp_path):
 
 
 def channels_last_run(world, folder):
-    """ConvBN in channels_last (conv2.weight is not contiguous; conv1.weight, one channel in, still is): stage 1 against DDP + AdamW, bitwise, the
-    consolidated state torch's, and its sharded checkpoint loaded into a contiguous model on the same ranks;
-    stage 2 refuses such parameters, clearly, on every rank."""
+    """ConvBN in channels_last (conv2.weight is not contiguous; conv1.weight, one channel in, still is): stage 1
+    against DDP + AdamW, bitwise, the consolidated state torch's, and its sharded checkpoint loaded into a
+    contiguous model on the same ranks; stage 2 refuses such parameters, clearly, on every rank."""
     import ddpkit
     from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 
