@@ -41,7 +41,7 @@ from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
-from .zero_state import COUNT_KEYS, merge_pieces, slice_state
+from .zero_state import COUNT_KEYS, slice_state, whole_state_dict
 from .zero_unit import Unit, clip_shards_, relending
 
 
@@ -75,6 +75,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.units: list[Unit] = []
         self._slot_of: dict[int, tuple[int, int, int]] = {}  # id(local tensor) -> (parameter, start, stop)
         self._consolidated: dict[str, Any] | None = None
+        self._fresh = True  # never stepped nor loaded: its whole state is empty, on every rank
         self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
         self.optim: torch.optim.Optimizer | None = None
         self._foreach_ok: list[bool] = []  # per local param group: zero_local.foreach_tensors
@@ -175,7 +176,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for unit in self.units:
             unit.follow(self.units)
         chosen = copy_down(self.optimizer_class, self.param_groups, self.optim.param_groups, self._foreach_ok)
-        self._consolidated = None
+        self._consolidated, self._fresh = None, False
         started, returned = self._step_and_gather(one_step, kwargs, handed)
         for unit, handle in started:
             if self.grad_shards is not None:
@@ -313,24 +314,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if self.rank != to:
             self._consolidated = None
             return
-        self._consolidated = self._whole_state_dict([piece for shard in shards for piece in shard])
-
-    def _whole_state_dict(self, pieces: list[tuple[int, int, int, dict]]) -> dict[str, Any]:
-        params = self._numbered()
-        by_param: dict[int, list[tuple[int, int, dict]]] = {}
-        for index, start, stop, state in pieces:
-            by_param.setdefault(index, []).append((start, stop, state))
-        state = {index: merge_pieces(by_param[index], params[index].shape, self.whole)
-                 for index in sorted(by_param)}
-        groups, at = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
-            at += n
-        return {"state": state, "param_groups": groups}
+        self._consolidated = whole_state_dict([piece for shard in shards for piece in shard], self._numbered(),
+                                              self.param_groups, self.whole)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in torch's format, on the rank that consolidate_state_dict gathered it to."""
+        if self._consolidated is None and self._fresh:  # empty: nothing to gather (accelerate's prepare reads it)
+            return whole_state_dict([], self._numbered(), self.param_groups, self.whole)
         if self._consolidated is None and not self.comm.distributed:
             self.consolidate_state_dict(to=self.rank)
         if self._consolidated is None:
@@ -340,6 +330,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state dict (this class's or the unsharded optimizer's); each rank keeps its slices."""
+        self._fresh = False
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, self.param_groups)):
@@ -367,13 +358,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         nothing deferred) when the shards are known."""
         if self.optim is not None:
             return False
-        self._pending_load = load
+        self._pending_load, self._fresh = load, False
         return True
 
     def load_shard_state(self, pieces: list[tuple[int, int, int, dict[str, Any]]],
                          param_groups: list[dict[str, Any]]) -> None:
         """Load exactly this rank's pieces [(parameter index, start, stop, state)] and the hyperparameters;
         per-element tensors may come flat (ddpkit.zero_checkpoint writes them so)."""
+        self._fresh = False
         for group, saved in zip(self.param_groups, param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         by_range = {(index, start, stop): state for index, start, stop, state in pieces}

@@ -5,6 +5,7 @@ parameters under a shape-aware optimizer). A *shard state* names each of them by
 start, stop) instead, which any world size and any partition can read:
 
     merge_pieces(pieces, shape, whole)              one parameter's whole state from its pieces
+    whole_state_dict(pieces, params, groups, whole) torch's state_dict from every rank's pieces
     slice_state(state, start, stop, shape, whole)   the piece of one parameter's whole state a rank needs
 
 torch's rule decides what is per element: every tensor shaped like the parameter is, except "step", which is a
@@ -48,3 +49,19 @@ def slice_state(state: dict[str, Any], start: int, stop: int, shape: torch.Size,
         else:
             out[key] = value
     return out
+
+
+def whole_state_dict(pieces: list[tuple[int, int, int, dict]], params: list[torch.Tensor], param_groups: list[dict],
+                     whole: bool) -> dict[str, Any]:
+    """torch's state_dict format (parameters numbered in param-group order) from the pieces of every rank's shard
+    state [(parameter index, start, stop, state)]; `params`, numbered so, give each its shape."""
+    by_param: dict[int, list[tuple[int, int, dict]]] = {}
+    for index, start, stop, state in pieces:
+        by_param.setdefault(index, []).append((start, stop, state))
+    merged = {index: merge_pieces(by_param[index], params[index].shape, whole) for index in sorted(by_param)}
+    groups, at = [], 0
+    for group in param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return {"state": merged, "param_groups": groups}

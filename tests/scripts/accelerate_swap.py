@@ -2,12 +2,12 @@
 
     accelerate launch --multi_gpu --num_processes 2 tests/scripts/accelerate_swap.py OUT
 
-The same training twice in one launch: first with torch's DistributedDataParallel (the reference), then with
-torch.nn.parallel.DistributedDataParallel swapped for ddpkit's, so every place accelerate reaches for torch's
-wrapper (prepare, no_sync inside accumulate, unwrap_model, trigger_sync_in_backward) meets ours; accelerate
-looks the class up there each time, so a swap after its import reaches them all (one launch instead of two saves
-a launcher's and two workers' imports). Each rank writes what it saw and its final parameters to
-OUT/torch/rank<r>.json and OUT/ours/rank<r>.json.
+The same training three times in one launch: first with torch's DistributedDataParallel (the reference), then
+with torch.nn.parallel.DistributedDataParallel swapped for ddpkit's, then with ddpkit's ZeroRedundancyOptimizer
+too, so every place accelerate reaches for torch's wrapper (prepare, no_sync inside accumulate, unwrap_model,
+trigger_sync_in_backward) meets ours; accelerate looks the class up there each time, so a swap after its import
+reaches them all (one launch instead of three saves a launcher's and workers' imports). Each rank writes what it
+saw and its final parameters to OUT/torch/rank<r>.json, OUT/ours/rank<r>.json and OUT/zero/rank<r>.json.
 """
 
 import json
@@ -20,11 +20,12 @@ import ddpkit
 from accelerate import Accelerator
 
 
-def train(out_dir: str) -> Accelerator:
+def train(out_dir: str, zero: bool = False) -> Accelerator:
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if zero else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=generator),
                                           torch.randint(0, 3, (64,), generator=generator))
@@ -50,4 +51,5 @@ def train(out_dir: str) -> Accelerator:
 
 train(os.path.join(sys.argv[1], "torch"))
 torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
-train(os.path.join(sys.argv[1], "ours")).end_training()
+train(os.path.join(sys.argv[1], "ours"))
+train(os.path.join(sys.argv[1], "zero"), zero=True).end_training()  # prepare reads its state_dict at once
