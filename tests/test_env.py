@@ -155,3 +155,35 @@ def test_world_size_larger_than_the_processes_started(monkeypatch):
     with pytest.raises(LaunchError, match="WORLD_SIZE"):
         ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=2)
     assert time.monotonic() - start < 30
+
+
+def test_device_pinning(monkeypatch):
+    """One device per local rank; one device bound to each task (SLURM --gpus-per-task=1) whatever the local
+    rank; the device already current where a process group made by hand is adopted (torch's mp.spawn pattern)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert ddpkit.env._pin_device("cuda", 1) == torch.device("cuda", 1) and calls == [1]
+    assert ddpkit.env._pin_device("cuda", None) == torch.device("cuda", 3) and calls == [1]  # left as it was
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ddpkit.env._pin_device("cuda", 2) == torch.device("cuda", 0) and calls == [1, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(LaunchError, match="local rank 2 needs cuda:2 but only 2"):
+        ddpkit.env._pin_device("cuda", 2)
+
+
+def test_a_process_group_made_by_hand_is_adopted_without_the_one_process_warning(monkeypatch, recwarn):
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = ddpkit.init_process_group()
+        assert (world.rank, world.world_size, world.device.type) == (0, 1, "cpu")
+        assert not [w for w in recwarn if "only ONE training process" in str(w.message)]
+    finally:
+        dist.destroy_process_group()

@@ -262,11 +262,17 @@ def to_timeout(timeout: float | int | datetime.timedelta | None) -> datetime.tim
     return timeout
 
 
-def _pin_device(device_type: str, local_rank: int) -> torch.device:
+def _pin_device(device_type: str, local_rank: int | None) -> torch.device:
+    """This process's device: `local_rank`'s, or the one already current (None: a process group adopted without a
+    launcher's local rank, whose maker pinned the device, as torch's mp.spawn examples do)."""
     if device_type == "cpu":
         return torch.device("cpu")
     module = getattr(torch, device_type)
     count = module.device_count()
+    if local_rank is None:
+        return torch.device(device_type, module.current_device())
+    if count == 1:  # one device bound to each task (SLURM --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)
+        local_rank = 0
     if local_rank >= count:
         raise LaunchError(
             f"local rank {local_rank} needs {device_type}:{local_rank} but only {count} {device_type} device(s) "
@@ -299,15 +305,23 @@ def init_process_group(
     An existing default process group (made by accelerate, say) is adopted as it is.
     """
     install_worker_excepthook()  # under a launcher, an uncaught exception becomes the job's root cause
-    info = read_launch_env(environ)
+    adopted = dist.is_initialized()
+    with warnings.catch_warnings():
+        if adopted:  # a group made by hand (mp.spawn) needs no launcher: its maker started the processes
+            warnings.simplefilter("ignore", RuntimeWarning)
+        info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
         watch_parent()  # a worker must not outlive a launcher killed with SIGKILL
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
-    if dist.is_initialized():
-        device = _pin_device(device_type, info.local_rank)
-        return DistEnv(dist.get_rank(), info.local_rank, dist.get_world_size(), info.local_world_size, device,
-                       dist.get_backend(), timeout, info.launcher, info.restart)
+    if adopted:
+        device = _pin_device(device_type, None if info.launcher == "none" else info.local_rank)
+        local, local_size = info.local_rank, info.local_world_size
+        if info.launcher == "none" and dist.get_world_size() > 1:  # mp.spawn on one node, rank r on device r
+            local = device.index if device.index is not None else dist.get_rank()
+            local_size = dist.get_world_size()
+        return DistEnv(dist.get_rank(), local, dist.get_world_size(), local_size, device, dist.get_backend(),
+                       timeout, info.launcher, info.restart)
     backend = backend or backend_for_device(device_type)
     check_backend(backend)
     device = _pin_device(device_type, info.local_rank)

@@ -310,7 +310,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard state on rank `to` (call it on every rank); then `state_dict()` there."""
-        shards = self.comm.gather_object(self.shard_state(), dst=to, what="zero consolidate_state_dict")
+        # On the CPU, as torch's class keeps it: a pickled CUDA tensor comes back on the device it left (another
+        # rank's GPU, perhaps not visible here), and the pieces of one parameter must meet on one device.
+        mine = [(*slot, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+                for *slot, state in self.shard_state()]
+        shards = self.comm.gather_object(mine, dst=to, what="zero consolidate_state_dict")
         if self.rank != to:
             self._consolidated = None
             return
