@@ -23,7 +23,9 @@ def rng_state() -> dict[str, Any]:
         "cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's own GPU only: a resume may see fewer GPUs than the save did (set_rng_state_all would
+        # index past them), and the others' generators are other ranks' to keep.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -38,7 +40,12 @@ def set_rng_state(state: dict[str, Any] | None) -> None:
                          np_state["has_gauss"], np_state["gauss"]))
     torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):  # an earlier ddpkit saved every visible GPU's: this one's, if there
+            current = torch.cuda.current_device()
+            saved = saved[current] if current < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved.cpu())
 
 
 __all__ = ["rng_state", "set_rng_state"]
