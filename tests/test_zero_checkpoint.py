@@ -169,3 +169,44 @@ def test_channels_last_parameters_step_whole_and_checkpoint_across_layouts(tmp_p
         assert got["bitwise"], f"rank {rank}: stage 1 differs from AdamW on channels_last parameters"
         assert got["whole units"] == [False, True] and sum(got["strided"]) == 1, got
     assert results[0]["state"] and results[0]["loaded"], results[0]
+
+
+def resave_before_first_step(world, folder):
+    """Stage 2 loads at its first step; a save before it (the Trainer's epoch save of a resumed run that ends
+    at once, a resume into a new output_dir) must write the loaded state again, not empty shards over it."""
+    import ddpkit
+    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+    from ddpkit.zero_checkpoint import shard_files
+
+    def build():
+        torch.manual_seed(0)
+        module = models.make("mlp")
+        model = ddpkit.DistributedDataParallel(module, bucket_cap_mb=0.001, zero_stage=2)
+        return module, model, ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    def step(model, opt, index):
+        x, y = models.micro("mlp", index, 0, world.world_size, 2)[world.rank]
+        opt.zero_grad()
+        models.loss("mlp", model, x, y, world.rank, index).backward()
+        opt.step()
+        opt.wait_for_params()
+
+    comm = ddpkit.Comm.for_group()
+    module, model, opt = build()
+    for index in range(3):
+        step(model, opt, index)
+        if index == 1:
+            save_checkpoint(folder, 2, model=module, optimizer=opt, trainer_state={}, comm=comm, world=world)
+    count = sum(len(torch.load(f, weights_only=True)["pieces"]) for f in shard_files(f"{folder}/checkpoint-2"))
+    again, wrapped, resumed = build()
+    load_checkpoint(f"{folder}/checkpoint-2", model=again, optimizer=resumed, world=world)
+    save_checkpoint(folder, 2, model=again, optimizer=resumed, trainer_state={}, comm=comm, world=world)
+    recount = sum(len(torch.load(f, weights_only=True)["pieces"]) for f in shard_files(f"{folder}/checkpoint-2"))
+    step(wrapped, resumed, 2)
+    return count, recount, all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters()))
+
+
+def test_a_save_before_stage_2s_first_step_keeps_the_loaded_state(tmp_path):
+    for count, recount, same in run_world(resave_before_first_step, 2, args=(str(tmp_path),), deadline_s=120):
+        assert count > 0 and recount == count, (count, recount)
+        assert same, "the resumed step differs from the uninterrupted one"

@@ -77,6 +77,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._consolidated: dict[str, Any] | None = None
         self._fresh = True  # never stepped nor loaded: its whole state is empty, on every rank
         self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
+        self._pending_pieces: list = []  # what that load holds: saved again by a save before the first step
         self.optim: torch.optim.Optimizer | None = None
         self._foreach_ok: list[bool] = []  # per local param group: zero_local.foreach_tensors
         self.grad_shards = grad_shards_of(self._numbered())
@@ -263,7 +264,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._build([{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                      for group, params in zip(self.param_groups, local)])
         if self._pending_load is not None:
-            pending, self._pending_load = self._pending_load, None
+            pending, self._pending_load, self._pending_pieces = self._pending_load, None, []
             pending()
 
     @torch.no_grad()
@@ -298,8 +299,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def shard_state(self) -> list[tuple[int, int, int, dict[str, Any]]]:
         """This rank's optimizer state as [(parameter index, start, stop, state)]: flat element ranges of the
         parameters (numbered in param-group order), readable by any world size."""
-        if self.optim is None:
-            return []  # stage 2 before its first step: no state yet
+        if self.optim is None:  # stage 2 before its first step: no state yet, but a load's, rank by rank 1/N of it
+            return self._pending_pieces[self.rank::self.world_size]
         out = []
         for group in self.optim.param_groups:
             for tensor in group["params"]:
@@ -357,12 +358,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """The (parameter index, start, stop) ranges whose state this rank keeps (empty until built)."""
         return list(self._slot_of.values())
 
-    def defer_load(self, load: Callable[[], None]) -> bool:
+    def defer_load(self, load: Callable[[], None], pieces: list | None = None) -> bool:
         """Stage 2 before the first step does not know its shards yet: run `load` once it does. False (and
-        nothing deferred) when the shards are known."""
+        nothing deferred) when the shards are known. pieces: the saved pieces `load` reads, [(parameter index,
+        start, stop, state)], which shard_state returns meanwhile (a save before the first step keeps them)."""
         if self.optim is not None:
             return False
-        self._pending_load, self._fresh = load, False
+        self._pending_load, self._pending_pieces, self._fresh = load, list(pieces or ()), False
         return True
 
     def load_shard_state(self, pieces: list[tuple[int, int, int, dict[str, Any]]],

@@ -110,9 +110,15 @@ def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[st
 
 def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> None:
     """Load the saved state into `optimizer`: a sharded one reads its own ranges, a plain one everything."""
-    if is_sharded(optimizer) and optimizer.defer_load(lambda: read_into(folder, optimizer, whole_file)):
-        return
+    # Opened now (mmap), not when a stage-2 load deferred to the first step runs: a save before that step may
+    # replace this very folder, and the optimizer hands these pieces to it meanwhile.
     groups, pieces = _saved_pieces(folder, whole_file)
+    if is_sharded(optimizer) and optimizer.defer_load(lambda: _load(groups, pieces, optimizer), pieces):
+        return
+    _load(groups, pieces, optimizer)
+
+
+def _load(groups: list[dict], pieces: list[tuple[int, int, int, dict]], optimizer: Any) -> None:
     mine = [g["count"] for g in groups]
     theirs = [len(g["params"]) for g in optimizer.param_groups]
     if mine != theirs:
