@@ -109,12 +109,18 @@ def resume_same_world(world, out):
     sparse = [_resumable_run(f"{out}/sparse", logging_steps=4)]
     sparse += [_resumable_run(f"{out}/sparse{k}", resume=f"{out}/sparse/checkpoint-{k}", logging_steps=4)
                for k in (3, 6)]
-    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse
+    # Resumed where max_steps ends: no step runs, and the save it makes must carry the data position on.
+    _resumable_run(f"{out}/done", resume=f"{out}/full/checkpoint-6", max_steps=6)
+    positions = [(json.loads(open(f"{out}/{run}/checkpoint-6/sampler_state.json").read()),
+                  json.loads(open(f"{out}/{run}/checkpoint-6/trainer_state.json").read())["epoch"])
+                 for run in ("full", "done")]
+    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse, positions
 
 
 def test_resume_with_the_same_world_size_is_bitwise(tmp_path):
     results = run_world(resume_same_world, 2, args=(str(tmp_path),), deadline_s=150)
-    for full, from3, from6, newest, files, sparse in results:
+    for full, from3, from6, newest, files, sparse, positions in results:
+        assert positions[0] == positions[1] and positions[0][0]["consumed"] > 0, positions
         assert [entry[0] for entry in sparse[0][0]] == [4, 8]
         for resumed in sparse[1:]:
             assert resumed[0] == sparse[0][0], "a resumed run logged another loss than the uninterrupted one"

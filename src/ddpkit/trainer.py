@@ -187,6 +187,8 @@ class Trainer(EvaluationMixin):
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         sampler_state = self._resume(resume_path) if resume_path else None
+        if sampler_state is not None:  # now, not at the loop's first epoch: a run that steps no more saves it too
+            sampler.load_state_dict(sampler_state)
         self.reporter.open()
         bar = self.reporter.progress_bar(self.state.max_steps, self.state.global_step, bool(self.args.disable_tqdm))
         run = Progress(bar)
@@ -219,7 +221,7 @@ class Trainer(EvaluationMixin):
                                                       scheduler=self.lr_scheduler, world=self.world,
                                                       scaler=self.precision.scaler)
         self.state.global_step = trainer_state["global_step"]
-        for name in ("log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
+        for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
         if self.args.restore_callback_states_from_checkpoint:
             self.callback_handler.restore_states(trainer_state.get("stateful_callbacks", {}))
