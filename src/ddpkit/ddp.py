@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ddp_checks as checks
@@ -372,9 +373,13 @@ def _arm_window(reducer: Reducer, sync: bool, grad_outputs: Any) -> None:
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
-    flat, spec = tree_flatten(obj)
-    return tree_unflatten([t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in flat],
-                          spec)
+    """The inputs on `device`; a PackedSequence moves as a whole (its batch_sizes stay on the CPU, as torch's)."""
+    def is_leaf(x: Any) -> bool:
+        return isinstance(x, PackedSequence)
+
+    flat, spec = tree_flatten(obj, is_leaf=is_leaf)
+    return tree_unflatten([t.to(device, non_blocking=True) if isinstance(t, (torch.Tensor, PackedSequence)) else t
+                           for t in flat], spec)
 
 
 def _default_group() -> dist.ProcessGroup | None:

@@ -103,7 +103,11 @@ def devices(named: list[tuple[str, nn.Parameter]], device_ids, output_device) ->
 
 
 def _cuda_index(device: int | str | torch.device) -> int:
-    return device if isinstance(device, int) else torch.device(device).index
+    """A device's index; "cuda" without one is the current device, as torch's wrapper reads it."""
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
