@@ -267,3 +267,29 @@ def test_a_pairwise_collective_without_its_peer_raises_at_the_timeout(tmp_path):
     runtime_error, again, text, waited = rank0  # torch's collectives raise RuntimeErrors (DistBackendError) too
     assert runtime_error and "Timed out" in text and 1.5 < waited < 5.5, rank0
     assert again == text, rank0
+
+
+def _subgroup_pairwise(world):
+    """Ranks 1 and 2 of 3 in a group of their own, where group ranks are not global ranks: the messages must
+    reach the peer's global rank."""
+    import torch.distributed as dist
+
+    from ddpkit.comm import Comm
+
+    group = dist.new_group([1, 2])
+    result = None
+    if world.rank > 0:
+        comm = Comm.for_group(group)
+        mine = torch.arange(4.0) + 10 * world.rank
+        out, gathered = torch.empty(2), torch.empty(4)
+        comm.reduce_scatter_tensor(out, mine)
+        comm.all_gather_into_tensor(gathered, out)
+        result = out.tolist(), gathered.tolist()
+    dist.barrier()  # rank 0 holds the store: it stays until the others are done
+    return result
+
+
+def test_pairwise_collectives_in_a_subgroup_address_global_ranks():
+    _, one, two = run_world(_subgroup_pairwise, 3, deadline_s=60)
+    total = [30.0, 32.0, 34.0, 36.0]  # (0, 1, 2, 3) + 10 and + 20
+    assert one == (total[:2], total) and two == (total[2:], total), (one, two)

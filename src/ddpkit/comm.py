@@ -198,8 +198,9 @@ class Comm(Observed):
         """Post every receive and send of a plan at once. Tagged with the collective's sequence number (the same
         on every rank) and each message's number: no message is taken for another, in flight at once or not."""
         base = (record.seq % (1 << 21)) << 8
-        works = [dist.irecv(t, group=self.group, tag=base + k % 256, group_src=peer) for peer, t, k in receives]
-        works += [dist.isend(t, group=self.group, tag=base + k % 256, group_dst=peer) for peer, t, k in sends]
+        # Global ranks as src and dst, which torch 2.4 takes too (group_src and group_dst came later).
+        works = [dist.irecv(t, self.global_rank(peer), self.group, base + k % 256) for peer, t, k in receives]
+        works += [dist.isend(t, self.global_rank(peer), self.group, base + k % 256) for peer, t, k in sends]
         return Exchange(works, record, then)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
