@@ -203,10 +203,20 @@ def resave_before_first_step(world, folder):
     save_checkpoint(folder, 2, model=again, optimizer=resumed, trainer_state={}, comm=comm, world=world)
     recount = sum(len(torch.load(f, weights_only=True)["pieces"]) for f in shard_files(f"{folder}/checkpoint-2"))
     step(wrapped, resumed, 2)
-    return count, recount, all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters()))
+    # The same through load_state_dict of a whole state dict (a plain AdamW's, one local step on every rank).
+    plain = torch.optim.AdamW(models.make("mlp").parameters(), lr=1e-2)
+    for p in (p for group in plain.param_groups for p in group["params"]):
+        p.grad = torch.ones_like(p)
+    plain.step()
+    _, _, fresh = build()
+    fresh.load_state_dict(plain.state_dict())
+    held = len(fresh.shard_state())  # before the first step: this rank's 1/N of the pieces
+    return count, recount, all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters())), held
 
 
 def test_a_save_before_stage_2s_first_step_keeps_the_loaded_state(tmp_path):
-    for count, recount, same in run_world(resave_before_first_step, 2, args=(str(tmp_path),), deadline_s=120):
+    results = run_world(resave_before_first_step, 2, args=(str(tmp_path),), deadline_s=120)
+    for count, recount, same, _ in results:
         assert count > 0 and recount == count, (count, recount)
         assert same, "the resumed step differs from the uninterrupted one"
+    assert sum(held for *_, held in results) == len(list(models.make("mlp").parameters())), results

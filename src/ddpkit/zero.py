@@ -41,7 +41,7 @@ from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
-from .zero_state import COUNT_KEYS, slice_state, whole_state_dict
+from .zero_state import COUNT_KEYS, slice_state, whole_pieces, whole_state_dict
 from .zero_unit import Unit, clip_shards_, relending
 
 
@@ -343,7 +343,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                              f"{[len(g['params']) for g in groups]} parameters per group there, "
                              f"{[len(g['params']) for g in self.param_groups]} here")
         if self.optim is None:  # stage 2 before its first step: loaded when the shards are known
-            self.defer_load(functools.partial(self.load_state_dict, state_dict))
+            self.defer_load(functools.partial(self.load_state_dict, state_dict), whole_pieces(state_dict["state"]))
             return
         saved = state_dict["state"]
         pieces = []

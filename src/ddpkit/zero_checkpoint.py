@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .zero_state import COUNT_KEYS
+from .zero_state import COUNT_KEYS, flat_state, whole_pieces
 
 SHARD_FILE = "optimizer_shard_{rank}.pt"
 FORMAT = 1
@@ -32,14 +32,10 @@ def is_sharded(optimizer: Any) -> bool:
     return hasattr(optimizer, "shard_state") and hasattr(optimizer, "load_shard_state")
 
 
-def _flat(state: dict[str, Any], numel: int) -> dict[str, Any]:
-    return {k: v.detach().reshape(-1) if isinstance(v, torch.Tensor) and k not in COUNT_KEYS and v.dim() > 0
-            and v.numel() == numel else v for k, v in state.items()}
-
-
 def write_shard(folder: str, optimizer: Any, rank: int, world_size: int) -> str:
     """This rank's pieces of the optimizer state into `folder` (every rank calls it, into the same folder)."""
-    pieces = [(index, start, stop, _flat(state, stop - start)) for index, start, stop, state in optimizer.shard_state()]
+    pieces = [(index, start, stop, flat_state(state, stop - start))
+              for index, start, stop, state in optimizer.shard_state()]
     groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
               for g in optimizer.param_groups]
     path = os.path.join(folder, SHARD_FILE.format(rank=rank))
@@ -76,16 +72,7 @@ def _saved_pieces(folder: str, whole_file: str | None) -> tuple[list[dict], list
     saved = _open(whole_file)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
               for g in saved["param_groups"]]
-    pieces = []
-    for index, state in saved["state"].items():
-        numel = _numel_of(state)
-        pieces.append((int(index), 0, numel, _flat(state, numel)))
-    return groups, pieces
-
-
-def _numel_of(state: dict[str, Any]) -> int:
-    sizes = [v.numel() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in COUNT_KEYS]
-    return max(sizes) if sizes else 0
+    return groups, whole_pieces(saved["state"])
 
 
 def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[str, Any] | None:

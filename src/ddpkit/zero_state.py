@@ -6,6 +6,7 @@ start, stop) instead, which any world size and any partition can read:
 
     merge_pieces(pieces, shape, whole)              one parameter's whole state from its pieces
     whole_state_dict(pieces, params, groups, whole) torch's state_dict from every rank's pieces
+    whole_pieces(state)                             torch's "state" as pieces, each a whole parameter's, flat
     slice_state(state, start, stop, shape, whole)   the piece of one parameter's whole state a rank needs
 
 torch's rule decides what is per element: every tensor shaped like the parameter is, except "step", which is a
@@ -65,3 +66,19 @@ def whole_state_dict(pieces: list[tuple[int, int, int, dict]], params: list[torc
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
         at += n
     return {"state": merged, "param_groups": groups}
+
+
+def flat_state(state: dict[str, Any], numel: int) -> dict[str, Any]:
+    """A piece's state with every per-element tensor (`numel` elements) flat, as the checkpoints hold it."""
+    return {k: v.detach().reshape(-1) if isinstance(v, torch.Tensor) and k not in COUNT_KEYS and v.dim() > 0
+            and v.numel() == numel else v for k, v in state.items()}
+
+
+def _numel_of(state: dict[str, Any]) -> int:
+    sizes = [v.numel() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in COUNT_KEYS]
+    return max(sizes) if sizes else 0
+
+
+def whole_pieces(state: dict[Any, dict[str, Any]]) -> list[tuple[int, int, int, dict[str, Any]]]:
+    """torch's state_dict["state"] as shard-state pieces: (parameter index, 0, numel, its state made flat)."""
+    return [(int(index), 0, _numel_of(s), flat_state(s, _numel_of(s))) for index, s in state.items()]
