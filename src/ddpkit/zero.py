@@ -335,7 +335,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state dict (this class's or the unsharded optimizer's); each rank keeps its slices."""
-        self._fresh = False
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, self.param_groups)):

@@ -81,4 +81,8 @@ def _numel_of(state: dict[str, Any]) -> int:
 
 def whole_pieces(state: dict[Any, dict[str, Any]]) -> list[tuple[int, int, int, dict[str, Any]]]:
     """torch's state_dict["state"] as shard-state pieces: (parameter index, 0, numel, its state made flat)."""
-    return [(int(index), 0, _numel_of(s), flat_state(s, _numel_of(s))) for index, s in state.items()]
+    pieces = []
+    for index, saved in state.items():
+        numel = _numel_of(saved)
+        pieces.append((int(index), 0, numel, flat_state(saved, numel)))
+    return pieces
