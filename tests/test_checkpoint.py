@@ -200,7 +200,9 @@ def test_checkpoint_knows_only_env_comm_and_integrity():
         source = f.read()
     local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
     # zero_checkpoint: the sharded optimizer files, a leaf that knows only ddpkit.zero_state's key names.
-    assert local <= {".env", ".comm", ".integrity", ".rng", ".zero_checkpoint"}
+    assert local <= {".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".zero_checkpoint"}
+    with open(ckpt.__file__.replace("checkpoint.py", "checkpoint_dir.py"), encoding="utf-8") as f:
+        assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {".integrity"}
     with open(ckpt.__file__.replace("checkpoint.py", "zero_checkpoint.py"), encoding="utf-8") as f:
         assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {".zero_state"}
     with open(integrity.__file__, encoding="utf-8") as f:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
-from ddpkit import integrity
+from ddpkit import integrity, runs
 from ddpkit.checkpoint import write_json
 from ddpkit.args import ArgumentError
 from ddpkit.resume import choose_checkpoint, protected_checkpoints, read_trainer_state
@@ -224,7 +224,9 @@ def test_a_restart_continues_from_the_newest_checkpoint(tmp_path):
             json.dump(state, f)
         folder = f"{out}/run/checkpoint-{step}"  # a forged checkpoint needs a marker that matches its files
         names = [n for n in os.listdir(folder) if n != integrity.MARKER_FILE]
-        write_json(os.path.join(folder, integrity.MARKER_FILE), integrity.manifest(folder, names, step))
+        write_json(os.path.join(folder, integrity.MARKER_FILE), {**integrity.manifest(folder, names, step),
+                                                                 "run": "job"})
+    runs.mark_current(f"{out}/run", "job", f"{out}/run/checkpoint-2")  # as the first attempt recorded its run
     results = run_world(restarted_with_a_named_checkpoint, 2, args=(out,), deadline_s=120,
                         env={"TORCHELASTIC_RESTART_COUNT": "1"})
     for seen, restart in results:

@@ -34,88 +34,29 @@ import os
 import re
 import shutil
 import uuid
-import warnings
 from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
 
+from .checkpoint_dir import (PREFIX, TRAINER_STATE_FILE, checkpoint_run, checkpoint_step,  # noqa: F401 - API
+                             find_latest_checkpoint, fsync_path, latest_valid_checkpoint, list_checkpoints,
+                             remove_stale, rotate_checkpoints)
 from .comm import Comm
 from .env import DistEnv
 from .integrity import MARKER_FILE, CheckpointError, manifest, problems
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
-PREFIX = "checkpoint"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
 SAMPLER_FILE = "sampler_state.json"
-TRAINER_STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
-_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-
-
-# -- finding ----------------------------------------------------------------------------------------------------
-
-def checkpoint_step(path: str) -> int | None:
-    """The step of a finished checkpoint folder, or None for anything else (temporary folders included).
-
-    Finished: its completion marker exists (an older ddpkit's folders, which have none, count when their
-    trainer_state.json does; `problems` then tells whether they are whole)."""
-    match = _NAME.match(os.path.basename(os.path.normpath(path)))
-    if match is None:
-        return None
-    if not os.path.isfile(os.path.join(path, MARKER_FILE)) and not os.path.isfile(
-            os.path.join(path, TRAINER_STATE_FILE)):
-        return None
-    return int(match.group(1))
-
-
-def list_checkpoints(output_dir: str) -> list[str]:
-    """Finished checkpoints in output_dir, oldest (lowest step) first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        step = checkpoint_step(path)
-        if step is not None:
-            found.append((step, path))
-    return [path for _, path in sorted(found)]
-
-
-def latest_valid_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, list[str]]]]:
-    """The newest checkpoint in output_dir that is whole, and the newer ones skipped with what is wrong."""
-    skipped = []
-    for path in reversed(list_checkpoints(output_dir)):
-        wrong = problems(path)
-        if not wrong:
-            return path, skipped
-        skipped.append((path, wrong))
-    return None, skipped
-
-
-def find_latest_checkpoint(output_dir: str) -> str | None:
-    """The newest whole checkpoint in output_dir (None: there is none); a newer corrupt one is skipped with a
-    warning that names what is wrong with it."""
-    path, skipped = latest_valid_checkpoint(output_dir)
-    for bad, wrong in skipped:
-        warnings.warn(f"skipping the corrupt checkpoint {bad}: {'; '.join(wrong)}"
-                      + (f"; resuming from {path}" if path else ""), RuntimeWarning, stacklevel=2)
-    return path
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def write_json(path: str, obj: Any) -> None:
     """Write JSON through a temporary file and a rename, so readers never see half a file."""
@@ -132,12 +73,12 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
     """The model's weights as safetensors, atomically (tied weights are stored once)."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     save_model(model, tmp)
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
 
 
 def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
-                  scaler=None) -> None:
+                  scaler=None, run: str | None = None) -> None:
     save_model(model, os.path.join(folder, MODEL_FILE))
     if scaler is not None:  # the same on every rank: the ranks agree on every skip (ddpkit.precision)
         torch.save(scaler.state_dict(), os.path.join(folder, SCALER_FILE))
@@ -152,68 +93,28 @@ def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampl
     write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
     names = os.listdir(folder)
     for name in names:
-        _fsync(os.path.join(folder, name))
+        fsync_path(os.path.join(folder, name))
     # Last, once every other byte is on disk: a folder without the marker is not a checkpoint (checkpoint_step).
-    write_json(os.path.join(folder, MARKER_FILE), manifest(folder, names, trainer_state.get("global_step", -1)))
-    _fsync(folder)
+    marker = manifest(folder, names, trainer_state.get("global_step", -1))
+    write_json(os.path.join(folder, MARKER_FILE), marker if run is None else {**marker, "run": run})
+    fsync_path(folder)
 
 
-def remove_stale(output_dir: str) -> list[str]:
-    """Delete what killed saves and rotations left behind; the paths removed.
-
-    That is hidden temporary and trash folders, and checkpoint-<step> folders that hold neither a completion
-    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). Call it
-    only while this run owns output_dir (see ddpkit.lock): another run's temporary folder would go too."""
-    if not os.path.isdir(output_dir):
-        return []
-    removed = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        debris = name.startswith((f".tmp-{PREFIX}-", f".trash-{PREFIX}-")) or (
-            _NAME.match(name) is not None and os.path.isdir(path) and checkpoint_step(path) is None)
-        if debris:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
-                       keep: str | tuple[str, ...] | None = None) -> list[str]:
-    """Delete the oldest checkpoints so that save_total_limit remain, never those in `keep` (they count towards
-    the limit, as the best checkpoint does in Transformers: a limit of 2 with the best one old keeps it and the
-    newest); the deleted paths."""
-    if save_total_limit is None:
-        return []
-    kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
-    found = list_checkpoints(output_dir)
-    others = [p for p in found if os.path.abspath(p) not in kept]
-    budget = max(0, save_total_limit - (len(found) - len(others)))  # what the limit leaves for the unprotected
-    doomed = others[:max(0, len(others) - budget)]
-    for path in doomed:
-        _retire(path)
-    return doomed
-
-
-def _retire(path: str) -> None:
-    """Delete a checkpoint folder so that no kill leaves it half there: it stops being a checkpoint (a hidden
-    name) in one rename before any file goes; an interrupted delete leaves only a .trash- folder, which
-    remove_stale finds later."""
-    parent = os.path.dirname(os.path.abspath(path))
-    trash = os.path.join(parent, f".trash-{os.path.basename(os.path.normpath(path))}-{uuid.uuid4().hex[:8]}")
-    os.replace(path, trash)
-    _fsync(parent)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Rename the finished temporary folder to its final name (replacing an older save of the same step)."""
+def _publish(tmp: str, final: str, run: str | None = None) -> None:
+    """Rename the finished temporary folder to its final name. An older save of the same step is replaced when it
+    is this run's; another run's is renamed aside to ``checkpoint-<step>.run-<its id>``, kept (ddpkit.runs)."""
     parent = os.path.dirname(final)
-    trash = None
+    trash = aside = None
     if os.path.exists(final):
-        trash = os.path.join(parent, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, trash)
+        owner = checkpoint_run(final)
+        if run is not None and owner != run:
+            aside = f"{final}.run-{owner or 'earlier'}"
+            aside = aside if not os.path.exists(aside) else f"{aside}-{uuid.uuid4().hex[:8]}"
+        else:
+            trash = os.path.join(parent, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+        os.replace(final, aside or trash)
     os.replace(tmp, final)
-    _fsync(parent)
+    fsync_path(parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -221,11 +122,13 @@ def _publish(tmp: str, final: str) -> None:
 def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, trainer_state: dict,
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
-                    save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None) -> str:
+                    save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None,
+                    run: str | None = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
     keep: checkpoints that rotation must not delete (the one this run resumed from: a restart names it again).
+    run: the training run's id, written into the marker; rotation then retires only that run's checkpoints.
     """
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
@@ -241,9 +144,9 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                 remove_stale(output_dir)
                 os.makedirs(tmp)
             _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
-                          rng_states, scaler)
-            _publish(tmp, final)
-            rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
+                          rng_states, scaler, run)
+            _publish(tmp, final, run)
+            rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
             outcome = _write_failure(exc, output_dir)
     if outcome is not None and world.is_main:
@@ -384,6 +287,6 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     return LoadedCheckpoint(path, step, trainer_state, sampler_state, rng, saved_world)
 
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "find_latest_checkpoint",
+__all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "checkpoint_run", "find_latest_checkpoint",
            "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_trainer_state", "remove_stale",
            "rng_state", "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]

@@ -1,24 +1,30 @@
 """Which checkpoint a run resumes from, which checkpoints rotation must keep for it, and the run's claim on its folder.
 
     lock = claim_output_dir(output_dir, comm, world.is_main)            # one run at a time; debris swept
-    path = choose_checkpoint(resume, output_dir, restart=world.restart)   # None: start afresh
+    choice = begin_run(resume, output_dir, world.restart, comm, world.is_main)   # .path None: start afresh
     keep = protected_checkpoints(args.resume_from_checkpoint)            # for save_checkpoint(keep=...)
-    trainer_state, sampler_state = restore(path, model=m, optimizer=opt, scheduler=sched, world=world)
+    trainer_state, sampler_state = restore(choice.path, model=m, optimizer=opt, scheduler=sched, world=world)
 
-The policy, on top of the checkpoint files (ddpkit.checkpoint):
-- resume is None/False (start afresh), True (or "true"/"latest": the newest checkpoint in output_dir, which must
-  exist) or a checkpoint folder;
-- a run the launcher restarted (--max-restarts; restart > 0) continues from the newest checkpoint in output_dir
-  when there is one, unless the checkpoint asked for is newer: a restart never goes back to redo work done since;
+The policy, on top of the checkpoint files (ddpkit.checkpoint) and the runs that wrote them (ddpkit.runs):
+- resume is None/False (start afresh), True (or "true"/"latest": the newest checkpoint of the run that last
+  started in output_dir, or of any run when that one saved none; one must exist) or a checkpoint folder;
+- a launch trains as a run: the run of the checkpoint it resumes from (its continuation), or a new one when it
+  starts afresh or resumes from a checkpoint older than that run's newest in output_dir (a branch). Every
+  checkpoint names its run, and rotation retires only the current run's: an earlier run's are kept;
+- a run the launcher restarted (--max-restarts; restart > 0) continues from the newest checkpoint of its own run
+  in output_dir when there is one, unless the checkpoint asked for is newer: a restart never goes back to redo
+  work done since, and never takes up another run's checkpoint;
 - the checkpoint the arguments name is never rotated away, because every restart of the job names it again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, runs
 from .args import ArgumentError
 from .comm import Comm, decided_by_main
 from .lock import OutputDirLock
@@ -41,22 +47,99 @@ def claim_output_dir(output_dir: str, comm: Comm, is_main: bool) -> OutputDirLoc
     return lock
 
 
-def choose_checkpoint(resume: str | bool | None, output_dir: str, restart: int = 0) -> str | None:
-    """The checkpoint folder to resume from, or None to start afresh (see the module's docstring)."""
+@dataclasses.dataclass(frozen=True)
+class RunChoice:
+    """What a launch of the Trainer continues: `path`, the checkpoint to resume from (None: start afresh), and
+    `run`, the id of the run it trains as (ddpkit.runs); `others`, the checkpoints in output_dir of other runs,
+    which this one neither resumes from after a restart nor rotates; `behind`, the newest checkpoint of the
+    resumed run when `path` is an older one (this launch then branches off as a run of its own)."""
+
+    path: str | None
+    run: str
+    others: tuple[str, ...] = ()
+    behind: str | None = None
+
+
+def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0) -> RunChoice:
+    """The checkpoint and the run of a launch (see the module's docstring)."""
+    current = runs.current_run(output_dir)
     if restart > 0:
-        latest = checkpoint.find_latest_checkpoint(output_dir)
+        latest = checkpoint.find_latest_checkpoint(output_dir, current)  # no run file: any run's, as before runs
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
-        if latest is not None and (named is None or checkpoint.checkpoint_step(latest) >
-                                   (checkpoint.checkpoint_step(named) or -1)):
-            return latest
+        path = latest if latest is not None and (named is None or checkpoint.checkpoint_step(latest) >
+                                                 (checkpoint.checkpoint_step(named) or -1)) else None
+        path = path or _asked(resume, output_dir, current)
+        run = current or (checkpoint.checkpoint_run(path) if path else None) or runs.new_run_id()
+        return RunChoice(path, run, _others(output_dir, run))
+    path = _asked(resume, output_dir, current)
+    run = checkpoint.checkpoint_run(path) if path else None
+    behind = None
+    if run is not None:  # a checkpoint of the same run past the one resumed from: this launch is a branch
+        step = checkpoint.checkpoint_step(path)
+        later = [p for p in checkpoint.list_checkpoints(output_dir, run) if (checkpoint.checkpoint_step(p) or 0) >
+                 (step if step is not None else float("inf"))]
+        if later:
+            behind, run = later[-1], None
+    run = run or runs.new_run_id()
+    return RunChoice(path, run, _others(output_dir, run), behind)
+
+
+def _asked(resume: str | bool | None, output_dir: str, current: str | None) -> str | None:
+    """The checkpoint the argument names: None/False none, True (or "true"/"latest") the newest of the run that
+    last started in output_dir (of any run when that one saved none), or a folder."""
     if resume in (None, False):
         return None
     if resume is True or resume in ("true", "True", "latest"):
-        path = checkpoint.find_latest_checkpoint(output_dir)
+        own = current is not None and checkpoint.list_checkpoints(output_dir, current)
+        path = checkpoint.find_latest_checkpoint(output_dir, current if own else None)
         if path is None:
             raise ArgumentError("resume_from_checkpoint", f"no checkpoint found in {output_dir}")
         return path
     return str(resume)
+
+
+def _others(output_dir: str, run: str) -> tuple[str, ...]:
+    return tuple(p for p in checkpoint.list_checkpoints(output_dir) if checkpoint.checkpoint_run(p) != run)
+
+
+def choose_checkpoint(resume: str | bool | None, output_dir: str, restart: int = 0) -> str | None:
+    """The checkpoint folder to resume from, or None to start afresh (choose_run's)."""
+    return choose_run(resume, output_dir, restart).path
+
+
+def begin_run(resume: str | bool | None, output_dir: str, restart: int, comm: Comm, is_main: bool) -> RunChoice:
+    """choose_run on rank 0, which records the run as output_dir's current one (it holds the lock) and says
+    what happens to other runs' checkpoints; the same choice on every rank, or the same ArgumentError."""
+    outcome: Any = None
+    if is_main:
+        try:
+            choice = choose_run(resume, output_dir, restart)
+            runs.mark_current(output_dir, choice.run, choice.path)
+            outcome = choice
+        except ArgumentError as exc:
+            outcome = (exc.field, str(exc).split(": ", 1)[-1])
+        if isinstance(outcome, RunChoice) and restart == 0:
+            _warn_about_others(outcome, output_dir)
+    outcome = decided_by_main(comm, outcome, "resume: which checkpoint and run")
+    if not isinstance(outcome, RunChoice):
+        raise ArgumentError(*outcome)
+    return outcome
+
+
+def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
+    if choice.behind is not None:
+        warnings.warn(f"resuming from {choice.path}, older than {choice.behind} of the same run: this run branches "
+                      f"off as a new one. Its checkpoints are kept: a restart of this run never resumes from them "
+                      "and rotation never deletes them; where this run saves a step they also have, theirs is "
+                      "renamed checkpoint-<step>.run-<id>", RuntimeWarning, stacklevel=3)
+    elif choice.others and choice.path is None:
+        names = ", ".join(os.path.basename(p) for p in choice.others[-3:])
+        warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of an earlier run (newest: {names}); "
+                      "this run starts afresh and keeps them: a restart of this run never resumes from them and "
+                      "rotation never deletes them; where this run saves a step they also have, theirs is renamed "
+                      f"checkpoint-<step>.run-<id>. To continue that run instead, pass resume_from_checkpoint="
+                      f"{choice.others[-1]}; to keep runs apart, give each its own output_dir",
+                      RuntimeWarning, stacklevel=3)
 
 
 def protected_checkpoints(named: str | bool | None) -> tuple[str, ...]:
@@ -79,4 +162,5 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return checkpoint.read_trainer_state(path)
 
 
-__all__ = ["claim_output_dir", "choose_checkpoint", "protected_checkpoints", "read_trainer_state", "restore"]
+__all__ = ["RunChoice", "begin_run", "choose_checkpoint", "choose_run", "claim_output_dir", "protected_checkpoints",
+           "read_trainer_state", "restore"]

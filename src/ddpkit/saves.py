@@ -6,7 +6,8 @@
     saves.load_best(model, state)                        # load_best_model_at_end
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
-resume.protected_checkpoints) nor the best one (best.py). The files themselves are checkpoint.py's.
+resume.protected_checkpoints), the best one (best.py), nor another run's (`run`, see ddpkit.runs). The files
+themselves are checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Saves:
         self.save_total_limit = args.save_total_limit
         self.comm, self.world, self.best = comm, world, best
         self.keep: tuple[str, ...] = ()  # set by the Trainer once it knows what it resumes from
+        self.run: str | None = None  # the training run's id (ddpkit.runs): in every marker, and what rotation retires
 
     def folder(self, step: int) -> str:
         return os.path.join(self.output_dir, f"{checkpoint.PREFIX}-{step}")
@@ -46,7 +48,8 @@ class Saves:
         return checkpoint.save_checkpoint(
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
             trainer_state=state.to_dict(), sampler_state=sampler_state, comm=self.comm, world=self.world,
-            save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler)
+            save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
+            run=self.run)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""

@@ -179,7 +179,8 @@ class Trainer(EvaluationMixin):
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        resume_path = resume.choose_checkpoint(asked, self.args.output_dir, restart=self.world.restart)
+        choice = resume.begin_run(asked, self.args.output_dir, self.world.restart, self.comm, self.world.is_main)
+        resume_path, self.saves.run = choice.path, choice.run
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         sampler = self.get_train_sampler()
         self._plan(self.get_train_dataloader(sampler), resume.read_trainer_state(resume_path) if resume_path

@@ -1,0 +1,145 @@
+"""The checkpoints in an output_dir: finding them (the newest whole one, one run's), retiring old ones, and
+sweeping what killed saves left behind. One checkpoint's files are ddpkit.checkpoint's.
+
+    list_checkpoints("out")                       # ["out/checkpoint-2", "out/checkpoint-10"], oldest first
+    find_latest_checkpoint("out", run=run_id)     # the newest whole one of that training run (ddpkit.runs)
+    rotate_checkpoints("out", 3, keep=(...), run=run_id)
+
+A checkpoint folder is ``checkpoint-<step>``, finished once its completion marker exists (ddpkit.integrity); the
+marker names the training run that wrote it, so that a run retires only its own checkpoints and resumes only from
+its own (ddpkit.runs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+import warnings
+
+from .integrity import MARKER_FILE, CheckpointError, problems, read_marker
+
+PREFIX = "checkpoint"
+TRAINER_STATE_FILE = "trainer_state.json"
+_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step of a finished checkpoint folder, or None for anything else (temporary folders included).
+
+    Finished: its completion marker exists (an older ddpkit's folders, which have none, count when their
+    trainer_state.json does; `problems` then tells whether they are whole)."""
+    match = _NAME.match(os.path.basename(os.path.normpath(path)))
+    if match is None:
+        return None
+    if not os.path.isfile(os.path.join(path, MARKER_FILE)) and not os.path.isfile(
+            os.path.join(path, TRAINER_STATE_FILE)):
+        return None
+    return int(match.group(1))
+
+
+def checkpoint_run(path: str) -> str | None:
+    """The id of the training run that wrote a checkpoint (its marker's "run"); None for an older ddpkit's, or an
+    unreadable marker (`problems` names that)."""
+    try:
+        marker = read_marker(path)
+    except CheckpointError:
+        return None
+    return None if marker is None else marker.get("run")
+
+
+def list_checkpoints(output_dir: str, run: str | None = None) -> list[str]:
+    """Finished checkpoints in output_dir, oldest (lowest step) first; with `run`, only that run's."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        step = checkpoint_step(path)
+        if step is not None and (run is None or checkpoint_run(path) == run):
+            found.append((step, path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_valid_checkpoint(output_dir: str, run: str | None = None) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """The newest checkpoint in output_dir (of `run`, if given) that is whole, and the newer ones skipped with
+    what is wrong."""
+    skipped = []
+    for path in reversed(list_checkpoints(output_dir, run)):
+        wrong = problems(path)
+        if not wrong:
+            return path, skipped
+        skipped.append((path, wrong))
+    return None, skipped
+
+
+def find_latest_checkpoint(output_dir: str, run: str | None = None) -> str | None:
+    """The newest whole checkpoint in output_dir (of `run`, if given; None: there is none); a newer corrupt one
+    is skipped with a warning that names what is wrong with it."""
+    path, skipped = latest_valid_checkpoint(output_dir, run)
+    for bad, wrong in skipped:
+        warnings.warn(f"skipping the corrupt checkpoint {bad}: {'; '.join(wrong)}"
+                      + (f"; resuming from {path}" if path else ""), RuntimeWarning, stacklevel=2)
+    return path
+
+
+def remove_stale(output_dir: str) -> list[str]:
+    """Delete what killed saves and rotations left behind; the paths removed.
+
+    That is hidden temporary and trash folders, and checkpoint-<step> folders that hold neither a completion
+    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). Call it
+    only while this run owns output_dir (see ddpkit.lock): another run's temporary folder would go too."""
+    if not os.path.isdir(output_dir):
+        return []
+    removed = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        debris = name.startswith((f".tmp-{PREFIX}-", f".trash-{PREFIX}-")) or (
+            _NAME.match(name) is not None and os.path.isdir(path) and checkpoint_step(path) is None)
+        if debris:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
+                       keep: str | tuple[str, ...] | None = None, run: str | None = None) -> list[str]:
+    """Delete the oldest checkpoints so that save_total_limit remain, never those in `keep` (they count towards
+    the limit, as the best checkpoint does in Transformers: a limit of 2 with the best one old keeps it and the
+    newest); the deleted paths. run: count and delete only that run's (another run's are not this one's to
+    delete: ddpkit.runs)."""
+    if save_total_limit is None:
+        return []
+    kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
+    found = list_checkpoints(output_dir, run)
+    others = [p for p in found if os.path.abspath(p) not in kept]
+    budget = max(0, save_total_limit - (len(found) - len(others)))  # what the limit leaves for the unprotected
+    doomed = others[:max(0, len(others) - budget)]
+    for path in doomed:
+        _retire(path)
+    return doomed
+
+
+def _retire(path: str) -> None:
+    """Delete a checkpoint folder so that no kill leaves it half there: it stops being a checkpoint (a hidden
+    name) in one rename before any file goes; an interrupted delete leaves only a .trash- folder, which
+    remove_stale finds later."""
+    parent = os.path.dirname(os.path.abspath(path))
+    trash = os.path.join(parent, f".trash-{os.path.basename(os.path.normpath(path))}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    fsync_path(parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+__all__ = ["PREFIX", "TRAINER_STATE_FILE", "checkpoint_run", "checkpoint_step", "find_latest_checkpoint", "fsync_path",
+           "latest_valid_checkpoint", "list_checkpoints", "remove_stale", "rotate_checkpoints"]
