@@ -54,6 +54,19 @@ def test_a_resumed_run_on_another_world_size_replans_the_epochs_left():
     assert plan_steps(batches_per_epoch=40, **BASE, resumed=unplanned).max_steps == 30 + 30
 
 
+def test_a_resumed_run_asking_for_other_epochs_replans_the_epochs_left():
+    saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2, asked=(-1, 3))
+    assert plan_steps(batches_per_epoch=40, **BASE, resumed=saved).max_steps == 60  # asked the same: kept
+    assert plan_steps(batches_per_epoch=40, **{**BASE, "num_train_epochs": 5}, resumed=saved).max_steps == 30 + 70
+    assert plan_steps(batches_per_epoch=40, **{**BASE, "num_train_epochs": 1}, resumed=saved).max_steps == 30
+    by_steps = SavedPlan(global_step=30, epoch=1.5, max_steps=45, world_size=2, asked=(45, 3))
+    assert plan_steps(batches_per_epoch=40, **BASE, resumed=by_steps).max_steps == 60  # now by epochs: 3 of them
+    # An epoch fraction saved as a float (a third of 15 steps; (1 - 1/3) * 15 is 10.000000000000002) must not
+    # plan one step too many.
+    third = SavedPlan(global_step=5, epoch=1 / 3, max_steps=30, world_size=2, asked=(-1, 2))
+    assert plan_steps(batches_per_epoch=30, **{**BASE, "num_train_epochs": 1}, resumed=third).max_steps == 15
+
+
 def test_max_steps_wins_over_a_resumed_plan():
     saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2)
     assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 100}, resumed=saved).max_steps == 100
@@ -68,6 +81,7 @@ def test_saved_plan_reads_trainer_state_with_its_defaults():
     assert SavedPlan.from_state({"global_step": 4, "epoch": 0.5, "max_steps": 9, "world_size": 2,
                                  "log_history": []}) == SavedPlan(4, 0.5, 9, 2)
     assert SavedPlan.from_state({"global_step": 4}) == SavedPlan(4, 0.0, 0, 1)
+    assert SavedPlan.from_state({"plan_arguments": {"max_steps": -1, "num_train_epochs": 2.5}}).asked == (-1, 2.5)
 
 
 def test_plan_for_reads_the_training_arguments(tmp_path):

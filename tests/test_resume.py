@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -190,6 +191,32 @@ def test_training_by_epochs_resumed_on_another_world_size_covers_every_epoch(tmp
     epoch0 = [i for step, epoch, ids in seen if epoch == 0 for i in ids] + first_part
     epoch1 = [i for step, epoch, ids in seen if epoch == 1 for i in ids]
     assert sorted(epoch0) == list(range(24)) and sorted(epoch1) == list(range(24))
+
+
+def more_epochs(world, out):
+    """One epoch, then the same run resumed asking for two (its second epoch must be trained, not skipped), then
+    resumed again asking for two: nothing is left, and rank 0 says so."""
+    def launch(epochs, resume=None):
+        torch.manual_seed(0)
+        args = trainer_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                            num_train_epochs=epochs, save_strategy="epoch")
+        trainer = Recorder(Classifier().double(), args, classification_data(24))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        return ([step for step, _, _ in trainer.seen], trainer.state.global_step,
+                [str(w.message) for w in caught if "nothing is left to train" in str(w.message)])
+
+    return launch(1), launch(2, resume=True), launch(2, resume=True)
+
+
+def test_a_resume_asking_for_more_epochs_trains_them(tmp_path):
+    for rank, (first, second, third) in enumerate(run_world(more_epochs, 2, args=(str(tmp_path),), deadline_s=120)):
+        assert first[1] == 3 and sorted(set(first[0])) == [1, 2, 3]  # 24 samples, 8 a step: 3 steps an epoch
+        assert sorted(set(second[0])) == [4, 5, 6] and second[1] == 6, second
+        assert third[0] == [] and third[1] == 6
+        assert len(third[2]) == (1 if rank == 0 else 0), third[2]  # the warning, on rank 0 only
+        assert not first[2] and not second[2]
 
 
 def restarted_with_a_named_checkpoint(world, out):

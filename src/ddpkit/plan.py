@@ -25,12 +25,15 @@ class SavedPlan(NamedTuple):
     epoch: float
     max_steps: int
     world_size: int
+    asked: tuple[int, float] | None = None  # (max_steps, num_train_epochs) the plan was made from; None: unknown
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> SavedPlan:
         """From trainer_state.json's fields (absent ones take TrainerState's defaults)."""
+        asked = state.get("plan_arguments")
         return cls(state.get("global_step", 0), state.get("epoch", 0.0), state.get("max_steps", 0),
-                   state.get("world_size", 1))
+                   state.get("world_size", 1),
+                   None if not asked else (asked.get("max_steps"), asked.get("num_train_epochs")))
 
 
 class StepPlan(NamedTuple):
@@ -52,13 +55,17 @@ def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, w
     """max_steps when it is set (> 0), else the steps num_train_epochs take, given the run resumed from."""
     if max_steps > 0:
         return max_steps
-    if resumed is not None and resumed.max_steps and resumed.world_size == world_size:
+    same = resumed is not None and resumed.asked in (None, (max_steps, num_train_epochs))
+    if same and resumed.max_steps and resumed.world_size == world_size:
+        # The saved total, not one computed again: a run resumed earlier on another world size re-planned it.
         return resumed.max_steps  # the same plan, so the resumed run is the uninterrupted one
     if resumed is not None:
-        # Another world size: a step covers another number of samples, so the steps left are re-planned from
-        # the epochs left (the learning-rate schedule is stretched or shrunk to the new total).
+        # Another world size (a step covers another number of samples), or other arguments (more epochs asked
+        # for, or epochs where the run was planned by max_steps): the steps left are re-planned from the epochs
+        # left; the learning-rate schedule is stretched or shrunk to the new total. round(): an epoch fraction
+        # saved as a float must not turn 10 steps into 11 ((1 - 1/3) * 15 is 10.000000000000002).
         left = max(0.0, num_train_epochs - resumed.epoch)
-        return resumed.global_step + math.ceil(left * steps_per_epoch)
+        return resumed.global_step + math.ceil(round(left * steps_per_epoch, 6))
     return math.ceil(num_train_epochs * steps_per_epoch)
 
 

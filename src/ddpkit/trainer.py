@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -161,6 +162,11 @@ class Trainer(EvaluationMixin):
         plan = plan_for(self.args, batches, self.world.world_size, saved)
         for name, value in plan._asdict().items():
             setattr(self.state, name, value)
+        self.state.plan_arguments = {"max_steps": self.args.max_steps, "num_train_epochs": self.args.num_train_epochs}
+        if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main:
+            warnings.warn(f"the checkpoint is at step {saved.global_step}, where this run's plan ends (max_steps "
+                          f"{plan.max_steps}): nothing is left to train. To train on, raise --max_steps or "
+                          "--num_train_epochs", RuntimeWarning, stacklevel=3)
 
     # -- training --------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
