@@ -95,3 +95,31 @@ def test_report_to_tensorboard(tmp_path, local_world):
         events.Reload()
         assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
         assert "train/learning_rate" in events.Tags()["scalars"]
+
+
+def test_metrics_jsonl_reads_as_the_runs_log_after_a_resume_and_keeps_other_runs(tmp_path):
+    from ddpkit.report import METRICS_FILE, Reporter
+
+    out = str(tmp_path)
+    path = os.path.join(out, METRICS_FILE)
+    steps = [{"loss": 1.0 / s, "epoch": s / 10, "step": s} for s in range(1, 7)]
+    first = Reporter(out, [], is_main=True)
+    first.open([])
+    for entry in steps:
+        first.write(entry)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"loss": 0.1, "ep')  # a line cut short by a kill
+    # Resumed from step 3 of that run: its file must hold steps 1-3 only, the resume logging 4-6 again.
+    Reporter(out, [], is_main=True).open(steps[:3])
+    with open(path, encoding="utf-8") as f:
+        assert [json.loads(line) for line in f] == steps[:3]
+    assert os.listdir(out) == [METRICS_FILE]
+    # A fresh run (no history), or a history this file does not begin with: the file is kept aside, whole.
+    Reporter(out, [], is_main=True).open([])
+    assert open(path, encoding="utf-8").read() == ""
+    with open(f"{path}.1", encoding="utf-8") as f:
+        assert [json.loads(line) for line in f] == steps[:3]
+    Reporter(out, [], is_main=True).open([{"loss": 9.0, "epoch": 0.1, "step": 1}])
+    assert sorted(os.listdir(out)) == [METRICS_FILE, f"{METRICS_FILE}.1"]  # the empty file went unkept
+    Reporter(out, [], is_main=False).open([])  # other ranks touch nothing
+    assert os.path.getsize(path) > 0

@@ -1,7 +1,7 @@
 """Reporting a run: rank 0's log entries into metrics.jsonl and TensorBoard, the progress bar, the loss curve.
 
     reporter = Reporter(output_dir, reporters=["tensorboard"], is_main=world.is_main)
-    reporter.open()                                  # TensorBoard's writer, when asked for and installed
+    reporter.open(state.log_history)                 # metrics.jsonl as the run's log so far; TensorBoard's writer
     reporter.write(entry)                            # one log_history entry (with "step" and "epoch")
     bar = reporter.progress_bar(total=100, initial=0, disabled=False)
     reporter.close(log_history)                      # loss_curve.png (with matplotlib); TensorBoard flushed
@@ -11,6 +11,7 @@ Only rank 0 writes anything; on other ranks every call is a no-op, so the Traine
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -36,9 +37,14 @@ class Reporter:
         self._tb_writer = None
         self._bar: _NoBar | _TerminalBar | _LineBar = _NoBar()
 
-    def open(self) -> None:
-        """Start the integrations report_to asks for (a missing one warns: metrics.jsonl still gets it all)."""
-        if not self.is_main or "tensorboard" not in self.reporters or self._tb_writer is not None:
+    def open(self, log_history: list[dict[str, Any]] | None = None) -> None:
+        """Start metrics.jsonl as the run's log so far (`log_history`: a resumed checkpoint's, or none), and the
+        integrations report_to asks for (a missing one warns: metrics.jsonl still gets it all)."""
+        if not self.is_main:
+            return
+        if log_history is not None:
+            self._start_metrics(log_history)
+        if "tensorboard" not in self.reporters or self._tb_writer is not None:
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -47,6 +53,24 @@ class Reporter:
                           "logging to metrics.jsonl only", RuntimeWarning, stacklevel=3)
             return
         self._tb_writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "runs"))
+
+    def _start_metrics(self, history: list[dict[str, Any]]) -> None:
+        """metrics.jsonl holds exactly `history` from now on, so that a resumed run's file reads as the
+        uninterrupted run's. A file there that begins with `history` was this run's: its lines past the checkpoint
+        are the steps the resume trains again (bitwise the same losses) and go. Any other (an earlier run's, a
+        fresh start's predecessor) is kept, renamed metrics.jsonl.<n>."""
+        path = os.path.join(self.output_dir, METRICS_FILE)
+        old = _read_entries(path)
+        if old is None and not history:
+            return
+        if old and not (history and old[:len(history)] == history):
+            aside = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.exists(f"{path}.{n}"))
+            os.replace(path, aside)
+        os.makedirs(self.output_dir, exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in history)
+        os.replace(tmp, path)
 
     def write(self, entry: dict[str, Any]) -> None:
         """One log entry (the Transformers log_history format: the values, "epoch" and "step")."""
@@ -103,6 +127,22 @@ class Progress:
         return {"train_runtime": self.clock.elapsed(), "train_samples_per_second": self.clock.rate(),
                 "train_steps_per_second": self.clock.steps_rate(), "train_loss": train_loss,
                 "total_flos": 0.0}
+
+
+def _read_entries(path: str) -> list[dict[str, Any]] | None:
+    """metrics.jsonl's entries (None: no file; a line cut short by a kill ends them)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            break
+    return entries
 
 
 def evaluation_line(entry: dict[str, Any]) -> str:

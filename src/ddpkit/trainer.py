@@ -196,7 +196,7 @@ class Trainer(EvaluationMixin):
         sampler_state = self._resume(resume_path) if resume_path else None
         if sampler_state is not None:  # now, not at the loop's first epoch: a run that steps no more saves it too
             sampler.load_state_dict(sampler_state)
-        self.reporter.open()
+        self.reporter.open(self.state.log_history)
         bar = self.reporter.progress_bar(self.state.max_steps, self.state.global_step, bool(self.args.disable_tqdm))
         run = Progress(bar)
         self._agreement.start(self.callback_handler)
