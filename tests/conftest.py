@@ -202,6 +202,39 @@ def assert_close_grads(got: dict, want: dict, what: str, tol: float = 1e-5) -> N
         assert err <= tol, f"{what}: {name} differs from single-process truth by {err:.3g}"
 
 
+# -- checkpoints: a small model, its optimizer and schedule, saved by one process -----------------------------------
+def small_model(seed: int = 0) -> "torch.nn.Module":
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[2].weight = nn.Parameter(torch.randn(3, 8))
+    return net
+
+
+def trained_parts(seed: int = 0):
+    """small_model after 3 AdamW steps under a LambdaLR schedule: (model, optimizer, scheduler)."""
+    model = small_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def save_small(out, step, model, opt=None, sched=None, limit=None, state=None) -> str:
+    """ddpkit.checkpoint.save_checkpoint in a world of one; the checkpoint's path."""
+    from ddpkit import checkpoint
+    from ddpkit.comm import Comm
+    from ddpkit.env import single_process_env
+
+    return checkpoint.save_checkpoint(str(out), step, model=model, optimizer=opt, scheduler=sched,
+                                      trainer_state=state or {"global_step": step, "log_history": []},
+                                      sampler_state={"epoch": 1, "seed": 3, "consumed": 40}, comm=Comm(),
+                                      world=single_process_env(), save_total_limit=limit)
+
+
 # -- the Trainer's test models and data ----------------------------------------------------------------------------
 class Classifier(nn.Module):
     def __init__(self, d_in=6, hidden=16, classes=3):
