@@ -28,7 +28,6 @@ never leaves a folder that looks finished but does not load. Loading checks the 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import re
@@ -42,7 +41,7 @@ from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
-from .integrity import MARKER_FILE, CheckpointError, manifest, problems
+from .integrity import MARKER_FILE, CheckpointError, manifest, problems, write_failure, write_failures
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
@@ -230,11 +229,11 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
-    sharded, outcome = is_sharded(optimizer), None
+    sharded, failures = is_sharded(optimizer), []
     if sharded:  # ZeRO: every rank writes its own slice of the optimizer state into the folder (zero_checkpoint)
         tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
-        outcome = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
-    if world.is_main and outcome is None:
+        failures = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
+    if world.is_main and not failures:
         try:
             os.makedirs(output_dir, exist_ok=True)
             if not sharded:
@@ -245,38 +244,14 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
-            outcome = _write_failure(exc, output_dir)
-    if outcome is not None and world.is_main:
+            failures = [(0, write_failure(exc, output_dir))]
+    if failures and world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written folder only takes space: the older ones stay
-    # The barrier: every rank waits for rank 0's write and learns whether it worked.
-    outcome = comm.broadcast_object(outcome, src=0, what=f"checkpoint-{step} written")
-    if outcome is not None:
-        raise CheckpointError(f"rank 0 could not write checkpoint {final}: {outcome}")
+    # The barrier: every rank waits for rank 0's write and learns whether it (and every shard) worked.
+    failures = comm.broadcast_object(failures, src=0, what=f"checkpoint-{step} written")
+    if failures:
+        raise write_failures(final, failures)
     return final
-
-
-# torch's zip writer reports a full disk as its own error, without the OSError's errno.
-_WRITER_FAILURES = ("unexpected pos", "file write failed", "No space left")
-LOW_SPACE_BYTES = 16 * 1024 * 1024  # below this much free space, a failed write is taken for a full disk
-
-
-def _write_failure(exc: BaseException, output_dir: str) -> str:
-    """What to tell every rank about a failed write: a full disk in plain words, anything else as it came."""
-    chain, seen = [], exc
-    while seen is not None:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
-    if not full and any(marker in str(e) for e in chain for marker in _WRITER_FAILURES):
-        try:
-            full = shutil.disk_usage(output_dir).free < LOW_SPACE_BYTES
-        except OSError:
-            pass
-    if full:
-        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full. The older "
-                "checkpoints were kept and nothing half-written was left behind. Free some space, lower "
-                "save_total_limit, or point output_dir at a larger disk")
-    return f"{type(exc).__name__}: {exc}"
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

@@ -9,13 +9,16 @@ after every other file was written and fsynced, and lists each file with its siz
 or garbage, without loading tensors: a safetensors header must parse and account for the file's size, a torch
 file (a zip archive) must have a readable central directory (it sits at the end, so a cut file loses it), a JSON
 file must parse. Folders an older ddpkit wrote carry no marker: they are checked for the files every checkpoint
-has. Nothing here deletes or changes anything.
+has. Nothing here deletes or changes anything. `write_failure` says why a write failed, a full disk in plain words,
+on whichever rank it was.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import struct
 import zipfile
 
@@ -109,3 +112,39 @@ def _safetensors_problem(file: str) -> str | None:
     if needed > size:
         return f"is truncated ({size} bytes where its tensors need {needed})"
     return None
+
+
+# torch's zip writer reports a full disk as its own error, without the OSError's errno.
+_WRITER_FAILURES = ("unexpected pos", "file write failed", "No space left")
+LOW_SPACE_BYTES = 16 * 1024 * 1024  # below this much free space, a failed write is taken for a full disk
+
+
+def write_failure(exc: BaseException, output_dir: str) -> str:
+    """What to tell every rank about a failed write into output_dir: a full disk in plain words, anything else
+    as it came."""
+    chain, seen = [], exc
+    while seen is not None:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    if not full and any(marker in str(e) for e in chain for marker in _WRITER_FAILURES):
+        try:
+            full = shutil.disk_usage(output_dir).free < LOW_SPACE_BYTES
+        except OSError:
+            pass
+    if full:
+        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full. The older "
+                "checkpoints were kept and nothing half-written was left behind. Free some space, lower "
+                "save_total_limit, or point output_dir at a larger disk")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def write_failures(final: str, failures: list[tuple[int, str]]) -> CheckpointError:
+    """One error for every rank's failed write of checkpoint `final` ((rank, write_failure's text) pairs), the
+    ranks that failed alike named together."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, text in failures:
+        ranks_of.setdefault(text, []).append(rank)
+    return CheckpointError("; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} could not write checkpoint {final}: {text}"
+        for text, ranks in ranks_of.items()))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .integrity import write_failure
 from .zero_state import COUNT_KEYS, flat_state, whole_pieces
 
 SHARD_FILE = "optimizer_shard_{rank}.pt"
@@ -135,24 +136,27 @@ def _load(groups: list[dict], pieces: list[tuple[int, int, int, dict]], optimize
     optimizer.load_state_dict({"state": state, "param_groups": numbered})
 
 
-def stage_shards(tmp: str, optimizer: Any, comm: Any, is_main: bool, prepare: Any = None) -> str | None:
+def stage_shards(tmp: str, optimizer: Any, comm: Any, is_main: bool, prepare: Any = None) -> list[tuple[int, str]]:
     """checkpoint.save_checkpoint's hook: rank 0 runs `prepare` (clears stale folders) and makes the temporary
-    folder, every rank writes its shard into it, and every rank learns whether all of them could (the error
-    text, or None), so that a failure on any rank raises on every rank instead of leaving the others waiting."""
+    folder, every rank writes its shard into it, and every rank learns whether all of them could, so that a
+    failure on any rank raises on every rank instead of leaving the others waiting: the failures, (rank, what went
+    wrong: a full disk in plain words, integrity.write_failure), none when every shard is written."""
+    output_dir = os.path.dirname(tmp) or "."
     error = None
     if is_main:
         try:
-            os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)
+            os.makedirs(output_dir, exist_ok=True)
             if prepare is not None:
                 prepare()
             os.makedirs(tmp)
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    error = comm.broadcast_object(error, src=0, what="optimizer shards folder")
-    if error is None:
-        try:
-            write_shard(tmp, optimizer, comm.rank, comm.world_size)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, below
-            error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in comm.all_gather_object(error, what="optimizer shards written") if e is not None]
-    return "; ".join(errors) or None
+            error = write_failure(exc, output_dir)
+    error = comm.broadcast_object(error, src=0, what="optimizer shards folder")
+    if error is not None:
+        return [(0, error)]
+    try:
+        write_shard(tmp, optimizer, comm.rank, comm.world_size)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, below
+        error = write_failure(exc, output_dir)
+    outcomes = comm.all_gather_object(error, what="optimizer shards written")
+    return [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
