@@ -173,8 +173,8 @@ def test_checkpoint_knows_only_env_comm_and_integrity():
     with open(ckpt.__file__, encoding="utf-8") as f:
         source = f.read()
     local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
-    # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the failure
-    # explanations of integrity (a leaf).
+    # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the
+    # checksummed writes and failure explanations of integrity (a leaf).
     assert local <= {".env", ".comm", ".integrity", ".rng", ".zero_checkpoint"}
     with open(ckpt.__file__.replace("checkpoint.py", "zero_checkpoint.py"), encoding="utf-8") as f:
         assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {

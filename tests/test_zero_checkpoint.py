@@ -8,13 +8,14 @@ import io
 import os
 import shutil
 import types
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import models
-from conftest import run_world
+from conftest import flip_inside, run_world
 
 GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
 RESUME_STEPS, SAVE_AT = 5, 3
@@ -252,9 +253,10 @@ def _stepped_zero(world):
     return module, zero
 
 
-def failing_saves(world, folder):
+def failing_and_corrupt_saves(world, folder):
     """Saves that fail as a full disk makes them fail: rank 0's files (DDP's path), one rank's ZeRO shard, every
-    rank's shard through torch's own error. What every rank is told, and what is left."""
+    rank's shard through torch's own error; then a shard file corrupted without a change of size. What every
+    rank is told, what is left, what loads."""
     import ddpkit
     from ddpkit.checkpoint import CheckpointError, save_checkpoint
 
@@ -283,16 +285,44 @@ def failing_saves(world, folder):
                 patch.setattr(target, name, value)
             told[what] = save(step, optimizer)
     told["left"] = sorted(os.listdir(folder))
+    told["fifth"] = save(5, zero)
+    return {**told, **_corrupt_shard(world, folder, comm)}
+
+
+def _corrupt_shard(world, folder, comm):
+    """Rank 1's shard of checkpoint-5 corrupted without a change of size: what finding and loading it say."""
+    from ddpkit import integrity
+    from ddpkit.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
+
+    told = {"marked": sorted(integrity.read_marker(f"{folder}/checkpoint-5")["crc32"])}
+    if world.rank == 0:
+        flip_inside(f"{folder}/checkpoint-5/optimizer_shard_1.pt")
+    comm.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        told["latest"] = find_latest_checkpoint(folder)
+    told["warned"] = [str(w.message) for w in caught]
+    _, fresh = _stepped_zero(world)
+    try:
+        load_checkpoint(f"{folder}/checkpoint-5", model=models.make("mlp"), optimizer=fresh, world=world)
+    except CheckpointError as exc:
+        told["named"] = str(exc)
+    load_checkpoint(told["latest"], model=models.make("mlp"), optimizer=fresh, world=world)
     return told
 
 
-def test_sharded_saves_name_a_full_disk_on_every_rank(tmp_path):
+def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_path):
     folder = str(tmp_path)
     full = (f"could not write checkpoint {folder}/checkpoint-{{}}: no space left on device: the file system of "
             f"{folder} is full. The older checkpoints were kept")
-    for told in run_world(failing_saves, 2, args=(folder,), deadline_s=120):
-        assert told["first"] is None, told
+    for told in run_world(failing_and_corrupt_saves, 2, args=(folder,), deadline_s=120):
+        assert told["first"] is None and told["fifth"] is None, told
         assert told["rank 0's files"].startswith("rank 0 " + full.format(2)), told["rank 0's files"]
         assert told["rank 1's shard"].startswith("rank 1 " + full.format(3)), told["rank 1's shard"]
         assert told["every shard"].startswith("ranks 0, 1 " + full.format(4)), told["every shard"]
         assert told["left"] == ["checkpoint-1"], told["left"]  # no debris, the older checkpoint kept
+        assert {"optimizer_shard_0.pt", "optimizer_shard_1.pt"} <= set(told["marked"]), told["marked"]
+        assert told["latest"] == f"{folder}/checkpoint-1"
+        assert len(told["warned"]) == 1 and "checkpoint-5: optimizer_shard_1.pt fails its checksum" in \
+            told["warned"][0], told["warned"]
+        assert "checkpoint-5 cannot be loaded: optimizer_shard_1.pt fails its checksum" in told["named"], told

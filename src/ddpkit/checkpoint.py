@@ -14,7 +14,7 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
     trainer_state.json       global_step, log_history, ... in the Transformers format
-    checkpoint_complete.json the completion marker, written last: every file above with its size
+    checkpoint_complete.json the completion marker, written last: every file above with its size and CRC-32
 
 Every rank calls `save_checkpoint` (it gathers the RNG states); rank 0 writes the files into a hidden temporary
 folder and renames it into place, so a checkpoint either exists whole or not at all: a save killed half-way leaves
@@ -22,18 +22,20 @@ only a ``.tmp-checkpoint-*`` folder that nothing loads and the next save removes
 broadcasts the outcome, so a failed write raises everywhere instead of leaving the others waiting). Rotation
 retires an old checkpoint by renaming it to a hidden ``.trash-*`` name first and deleting it after, so a kill
 never leaves a folder that looks finished but does not load. Loading checks the folder against its marker first
-(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt.
+(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt (its checksum included).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 import shutil
 import uuid
 import warnings
+import zlib
 from typing import Any
 
 import torch
@@ -41,7 +43,8 @@ from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
-from .integrity import MARKER_FILE, CheckpointError, manifest, problems, write_failure, write_failures
+from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, write_checksummed, write_failure,
+                        write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
@@ -116,15 +119,16 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+def write_json(path: str, obj: Any) -> int:
+    """Write JSON through a temporary file and a rename, so readers never see half a file; its bytes' CRC-32."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return zlib.crc32(data)
 
 
 def save_weights(model: torch.nn.Module, path: str) -> None:
@@ -135,25 +139,30 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
-                  scaler=None) -> None:
+def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
+                  scaler=None, crc32: dict[str, int] | None = None) -> None:
+    """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
+    ranks computed)."""
+    sums = dict(crc32 or {})
     save_model(model, os.path.join(folder, MODEL_FILE))
-    if scaler is not None:  # the same on every rank: the ranks agree on every skip (ddpkit.precision)
-        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_FILE))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), os.path.join(folder, SCHEDULER_FILE))
+    # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
+    sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
+    # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
+    for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
+        if source is not None:
+            saved = source.state_dict()
+            sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, saved))
     if sampler_state is not None:
-        write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
+        sums[SAMPLER_FILE] = write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
     for rank, state in enumerate(rng_states):
-        torch.save(state, os.path.join(folder, RNG_FILE.format(rank=rank)))
-    write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
+        name = RNG_FILE.format(rank=rank)
+        sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
+    sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
     names = os.listdir(folder)
     for name in names:
         _fsync(os.path.join(folder, name))
     # Last, once every other byte is on disk: a folder without the marker is not a checkpoint (checkpoint_step).
-    write_json(os.path.join(folder, MARKER_FILE), manifest(folder, names, trainer_state.get("global_step", -1)))
+    write_json(os.path.join(folder, MARKER_FILE), manifest(folder, names, step, crc32=sums))
     _fsync(folder)
 
 
@@ -229,18 +238,19 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
-    sharded, failures = is_sharded(optimizer), []
+    sharded, failures, shard_sums = is_sharded(optimizer), [], {}
     if sharded:  # ZeRO: every rank writes its own slice of the optimizer state into the folder (zero_checkpoint)
         tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
-        failures = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
+        failures, shard_sums = stage_shards(tmp, optimizer, comm, world.is_main,
+                                            prepare=lambda: remove_stale(output_dir))
     if world.is_main and not failures:
         try:
             os.makedirs(output_dir, exist_ok=True)
             if not sharded:
                 remove_stale(output_dir)
                 os.makedirs(tmp)
-            _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
-                          rng_states, scaler)
+            _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
+                          sampler_state, rng_states, scaler, shard_sums)
             _publish(tmp, final)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
