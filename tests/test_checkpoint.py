@@ -88,6 +88,30 @@ def test_rotation_and_resave(tmp_path):
         ckpt.load_checkpoint(str(tmp_path / "checkpoint-9"))
 
 
+def test_a_checkpoint_renamed_by_hand_loads_when_named_and_is_never_found_or_rotated(tmp_path):
+    model, opt, sched = trained_parts()
+    out = tmp_path / "out"
+    save_small(out, 1, model, opt, sched)
+    save_small(out, 500, model, opt, sched)
+    save_small(out, 7, model, state={"log_history": []})  # no global_step: the step is the marker's
+    os.rename(out / "checkpoint-500", tmp_path / "best_run")  # mv out/checkpoint-500 best_run
+    os.rename(out / "checkpoint-7", out / "kept")
+    fresh, fresh_opt, fresh_sched = trained_parts(seed=9)
+    loaded = ckpt.load_checkpoint(str(tmp_path / "best_run"), model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert loaded.step == 500 and loaded.trainer_state["global_step"] == 500 and fresh_sched.last_epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    assert ckpt.load_checkpoint(str(out / "kept") + "/").step == 7
+    # Finding, listing, sweeping and rotation go by the checkpoint-<step> name only.
+    assert ckpt.list_checkpoints(str(out)) == [str(out / "checkpoint-1")]
+    assert ckpt.find_latest_checkpoint(str(out)) == str(out / "checkpoint-1")
+    save_small(out, 2, model, limit=1)
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "kept"]
+    # Without a completion marker (an older ddpkit's folder) a renamed folder cannot be told from any other.
+    os.remove(tmp_path / "best_run" / integrity.MARKER_FILE)
+    with pytest.raises(FileNotFoundError, match="best_run is not a finished checkpoint folder"):
+        ckpt.load_checkpoint(str(tmp_path / "best_run"), model=small_model())
+
+
 def _killed_save(out: str, ready: str) -> None:
     model = small_model()
     save_small(out, 1, model)

@@ -22,7 +22,9 @@ only a ``.tmp-checkpoint-*`` folder that nothing loads and the next save removes
 broadcasts the outcome, so a failed write raises everywhere instead of leaving the others waiting). Rotation
 retires an old checkpoint by renaming it to a hidden ``.trash-*`` name first and deleting it after, so a kill
 never leaves a folder that looks finished but does not load. Loading checks the folder against its marker first
-(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt (its checksum included).
+(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt (its checksum included). A
+checkpoint folder renamed away from ``checkpoint-<step>`` still loads when named (its step is in its marker); only
+finding, listing and rotation go by the name.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from safetensors.torch import load_model, save_model
 
 from .comm import Comm
 from .env import DistEnv
-from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, write_checksummed, write_failure,
-                        write_failures)
+from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
+                        write_failure, write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
@@ -281,13 +283,33 @@ def _load_tensors(path: str, device: torch.device | str) -> Any:
     return torch.load(path, map_location=device, weights_only=True)
 
 
+def folder_step(path: str) -> int | None:
+    """The step of a checkpoint folder named to be loaded: `checkpoint_step`'s, or for a folder renamed away from
+    checkpoint-<step> (``mv out/checkpoint-500 best_run``) the step its completion marker records (else its
+    trainer_state.json's global_step). None: not a finished checkpoint."""
+    step = checkpoint_step(path)
+    if step is not None or not os.path.isfile(os.path.join(path, MARKER_FILE)):
+        return step
+    try:
+        step = read_marker(path).get("step")
+        if not isinstance(step, int) or step < 0:  # an older ddpkit wrote trainer_state's global_step, or -1
+            step = read_trainer_state(path).get("global_step")
+    except (CheckpointError, AttributeError):
+        return None  # check_loadable names what cannot be read
+    return step if isinstance(step, int) and step >= 0 else None
+
+
 def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False) -> None:
     """Raise CheckpointError naming every missing, truncated or corrupt file of checkpoint `path` (and the
     optimizer or scheduler file, when they are to be loaded and were never saved)."""
-    if checkpoint_step(path) is None:
-        raise FileNotFoundError(f"{path} is not a finished checkpoint folder ({PREFIX}-<step> holding "
-                                f"{MARKER_FILE}); resume from another one")
+    step = folder_step(path)
+    if step is None and not os.path.isfile(os.path.join(path, MARKER_FILE)):
+        raise FileNotFoundError(f"{path} is not a finished checkpoint folder (one holding {MARKER_FILE}, or an "
+                                f"older ddpkit's {PREFIX}-<step> holding {TRAINER_STATE_FILE}); resume from "
+                                "another one")
     wrong = problems(path)
+    if step is None and not wrong:
+        wrong.append(f"neither {MARKER_FILE} nor {TRAINER_STATE_FILE} records its step")
     for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         there = os.path.isfile(os.path.join(path, name)) or (name == OPTIMIZER_FILE and shard_files(path))
         if wanted and not there and f"{name} is missing" not in wrong:
@@ -333,7 +355,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     with `set_rng_state` right before training goes on.
     """
     check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None)
-    step = checkpoint_step(path)
+    step = folder_step(path)
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0
     if model is not None:
@@ -369,6 +391,6 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     return LoadedCheckpoint(path, step, trainer_state, sampler_state, rng, saved_world)
 
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "find_latest_checkpoint",
+__all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "find_latest_checkpoint", "folder_step",
            "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_trainer_state", "remove_stale",
            "rng_state", "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]
