@@ -205,7 +205,7 @@ def assert_close_grads(got: dict, want: dict, what: str, tol: float = 1e-5) -> N
 
 
 # -- checkpoints: a small model, its optimizer and schedule, saved by one process -----------------------------------
-def small_model(seed: int = 0) -> "torch.nn.Module":
+def small_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     net[2].weight = nn.Parameter(torch.randn(3, 8))

@@ -64,5 +64,5 @@ def test_a_same_size_corruption_fails_its_checksum_and_older_markers_still_load(
     partial = integrity.manifest(good, names, 1, crc32={n: 0 for n in names})
     partial["crc32"].pop("model.safetensors")
     ckpt.write_json(os.path.join(good, integrity.MARKER_FILE), partial)
-    assert integrity.problems(good) == ["checkpoint_complete.json cannot be read (format 2 without a checksum "
-                                        "for every file)"]
+    assert integrity.problems(good) == [
+        "checkpoint_complete.json cannot be read (format 2 without a checksum for every file)"]

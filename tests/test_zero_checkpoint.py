@@ -273,7 +273,10 @@ def failing_and_corrupt_saves(world, folder):
     disk_full = _failing_save(lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))  # the file system's answer
     # torch writing to a path itself reports a full disk as its own error, without an errno.
     torch_failed = _failing_save(lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"))
-    low_space = lambda path: types.SimpleNamespace(free=2 ** 20)  # noqa: E731
+
+    def low_space(path):  # 1 MiB free
+        return types.SimpleNamespace(free=2 ** 20)
+
     told = {"first": save(1, zero)}
     for what, step, optimizer, patches in (
             ("rank 0's files", 2, torch.optim.AdamW(module.parameters()),

@@ -25,7 +25,8 @@ import shutil
 import struct
 import zipfile
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MARKER_FILE = "checkpoint_complete.json"
 MARKER_FORMAT = 2  # 1: sizes only; 2: sizes and a "crc32" table
@@ -53,7 +54,7 @@ class ChecksumWriter:
     """
 
     def __init__(self, path: str):
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by __exit__
         self.crc32 = 0
 
     def write(self, data: Any) -> int:
@@ -63,10 +64,10 @@ class ChecksumWriter:
     def flush(self) -> None:
         self._file.flush()
 
-    def __enter__(self) -> "ChecksumWriter":
+    def __enter__(self) -> ChecksumWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._file.close()
 
 
