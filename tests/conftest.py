@@ -24,8 +24,10 @@ import queue
 import re
 import signal
 import socket
+import struct
 import subprocess
 import time
+import zipfile
 import hashlib
 import io
 import traceback
@@ -200,6 +202,63 @@ def assert_close_grads(got: dict, want: dict, what: str, tol: float = 1e-5) -> N
             continue
         err = (g - w).abs().max().item()
         assert err <= tol, f"{what}: {name} differs from single-process truth by {err:.3g}"
+
+
+# -- checkpoints: a small model, its optimizer and schedule, saved by one process -----------------------------------
+def small_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[2].weight = nn.Parameter(torch.randn(3, 8))
+    return net
+
+
+def trained_parts(seed: int = 0):
+    """small_model after 3 AdamW steps under a LambdaLR schedule: (model, optimizer, scheduler)."""
+    model = small_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def save_small(out, step, model, opt=None, sched=None, limit=None, state=None) -> str:
+    """ddpkit.checkpoint.save_checkpoint in a world of one; the checkpoint's path."""
+    from ddpkit import checkpoint
+    from ddpkit.comm import Comm
+    from ddpkit.env import single_process_env
+
+    return checkpoint.save_checkpoint(str(out), step, model=model, optimizer=opt, scheduler=sched,
+                                      trainer_state=state or {"global_step": step, "log_history": []},
+                                      sampler_state={"epoch": 1, "seed": 3, "consumed": 40}, comm=Comm(),
+                                      world=single_process_env(), save_total_limit=limit)
+
+
+def flip_inside(file: str) -> None:
+    """Change bytes inside a file's data, keeping its size and its structure: the first tensor's bytes of a
+    safetensors file, the first storage record of a torch zip archive, a digit of a JSON file."""
+    with open(file, "rb") as f:
+        data = bytearray(f.read())
+    if file.endswith(".json"):
+        at = re.search(rb"\d", data).start()
+        data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    else:
+        if file.endswith(".safetensors"):
+            (length,) = struct.unpack("<Q", data[:8])
+            at = 8 + length  # the tensors' bytes follow the header
+        else:
+            with zipfile.ZipFile(file) as archive:
+                record = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 4)
+            # A zip record's local header: 30 bytes with the name's and the extra field's lengths at 26, then both.
+            name, extra = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+            at = record.header_offset + 30 + name + extra
+        data[at:at + 4] = bytes(b ^ 0xFF for b in data[at:at + 4])
+    with open(file, "r+b") as f:
+        f.write(data)
+
 
 
 # -- the Trainer's test models and data ----------------------------------------------------------------------------

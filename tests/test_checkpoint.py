@@ -13,51 +13,25 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import save_small, small_model, trained_parts
 from spawn import run_world
 
 from ddpkit import checkpoint as ckpt
 from ddpkit import integrity
 from ddpkit.comm import Comm
-from ddpkit.env import single_process_env
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    net[2].weight = torch.nn.Parameter(torch.randn(3, 8))
-    return net
-
-
-def _trained(seed: int = 0):
-    model = _model(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    for _ in range(3):
-        model(torch.randn(5, 4)).square().mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return model, opt, sched
-
-
-def _save(out, step, model, opt=None, sched=None, limit=None, state=None):
-    return ckpt.save_checkpoint(str(out), step, model=model, optimizer=opt, scheduler=sched,
-                                trainer_state=state or {"global_step": step, "log_history": []},
-                                sampler_state={"epoch": 1, "seed": 3, "consumed": 40}, comm=Comm(),
-                                world=single_process_env(), save_total_limit=limit)
 
 
 def test_round_trip_restores_everything(tmp_path):
-    model, opt, sched = _trained()
+    model, opt, sched = trained_parts()
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = _save(tmp_path, 3, model, opt, sched)
+    path = save_small(tmp_path, 3, model, opt, sched)
     expected = (random.random(), np.random.rand(), torch.rand(2))
     assert os.path.basename(path) == "checkpoint-3"
     assert sorted(os.listdir(path)) == ["checkpoint_complete.json", "model.safetensors", "optimizer.pt",
                                         "rng_state_0.pth", "sampler_state.json", "scheduler.pt",
                                         "trainer_state.json"]
 
-    fresh, fresh_opt, fresh_sched = _trained(seed=9)
+    fresh, fresh_opt, fresh_sched = trained_parts(seed=9)
     loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(str(tmp_path)), model=fresh, optimizer=fresh_opt,
                                   scheduler=fresh_sched)
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
@@ -85,14 +59,14 @@ class _Payload:
 
 
 def test_loading_never_unpickles_code(tmp_path, monkeypatch):
-    model, opt, sched = _trained()
-    path = _save(tmp_path, 1, model, opt, sched)
+    model, opt, sched = trained_parts()
+    path = save_small(tmp_path, 1, model, opt, sched)
     monkeypatch.chdir(tmp_path)
     # The attacker rewrites the completion marker too, so the files pass the size checks and reach the loader.
     torch.save({"state": {}, "param_groups": [], "evil": _Payload()}, os.path.join(path, "optimizer.pt"))
     _remark(path)
     with pytest.raises(ckpt.CheckpointError, match="optimizer.pt") as caught:
-        ckpt.load_checkpoint(path, model=_model(), optimizer=torch.optim.AdamW(_model().parameters()))
+        ckpt.load_checkpoint(path, model=small_model(), optimizer=torch.optim.AdamW(small_model().parameters()))
     assert isinstance(caught.value.__cause__, pickle.UnpicklingError)
     torch.save({"state": {}, "param_groups": [], "evil": _Payload()}, os.path.join(path, "scheduler.pt"))
     _remark(path)
@@ -103,20 +77,44 @@ def test_loading_never_unpickles_code(tmp_path, monkeypatch):
 
 
 def test_rotation_and_resave(tmp_path):
-    model = _model()
+    model = small_model()
     for step in (1, 2, 3, 4):
-        _save(tmp_path, step, model, limit=2)
+        save_small(tmp_path, step, model, limit=2)
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == ["checkpoint-3", "checkpoint-4"]
-    _save(tmp_path, 4, model, limit=2, state={"global_step": 4, "again": True})  # a second save of one step
+    save_small(tmp_path, 4, model, limit=2, state={"global_step": 4, "again": True})  # a second save of one step
     assert ckpt.load_checkpoint(str(tmp_path / "checkpoint-4")).trainer_state["again"] is True
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4"]
     with pytest.raises(FileNotFoundError):
         ckpt.load_checkpoint(str(tmp_path / "checkpoint-9"))
 
 
+def test_a_checkpoint_renamed_by_hand_loads_when_named_and_is_never_found_or_rotated(tmp_path):
+    model, opt, sched = trained_parts()
+    out = tmp_path / "out"
+    save_small(out, 1, model, opt, sched)
+    save_small(out, 500, model, opt, sched)
+    save_small(out, 7, model, state={"log_history": []})  # no global_step: the step is the marker's
+    os.rename(out / "checkpoint-500", tmp_path / "best_run")  # mv out/checkpoint-500 best_run
+    os.rename(out / "checkpoint-7", out / "kept")
+    fresh, fresh_opt, fresh_sched = trained_parts(seed=9)
+    loaded = ckpt.load_checkpoint(str(tmp_path / "best_run"), model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert loaded.step == 500 and loaded.trainer_state["global_step"] == 500 and fresh_sched.last_epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    assert ckpt.load_checkpoint(str(out / "kept") + "/").step == 7
+    # Finding, listing, sweeping and rotation go by the checkpoint-<step> name only.
+    assert ckpt.list_checkpoints(str(out)) == [str(out / "checkpoint-1")]
+    assert ckpt.find_latest_checkpoint(str(out)) == str(out / "checkpoint-1")
+    save_small(out, 2, model, limit=1)
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "kept"]
+    # Without a completion marker (an older ddpkit's folder) a renamed folder cannot be told from any other.
+    os.remove(tmp_path / "best_run" / integrity.MARKER_FILE)
+    with pytest.raises(FileNotFoundError, match="best_run is not a finished checkpoint folder"):
+        ckpt.load_checkpoint(str(tmp_path / "best_run"), model=small_model())
+
+
 def _killed_save(out: str, ready: str) -> None:
-    model = _model()
-    _save(out, 1, model)
+    model = small_model()
+    save_small(out, 1, model)
 
     def stalled_write(*args, **kwargs):
         open(ready, "w").close()  # weights and optimizer are written: tell the parent, then hang until killed
@@ -124,7 +122,7 @@ def _killed_save(out: str, ready: str) -> None:
 
     ckpt.write_json = stalled_write  # in this child process only
     big = torch.nn.Linear(256, 256)
-    _save(out, 2, big, torch.optim.SGD(big.parameters(), lr=0.1))
+    save_small(out, 2, big, torch.optim.SGD(big.parameters(), lr=0.1))
 
 
 def test_save_killed_with_sigkill_leaves_previous_checkpoint(tmp_path):
@@ -149,15 +147,15 @@ def test_save_killed_with_sigkill_leaves_previous_checkpoint(tmp_path):
     assert not os.path.exists(out / "checkpoint-2")
     latest = ckpt.find_latest_checkpoint(str(out))
     assert os.path.basename(latest) == "checkpoint-1"
-    model = _model(seed=5)
+    model = small_model(seed=5)
     ckpt.load_checkpoint(latest, model=model)
-    assert torch.equal(model[0].weight, _model()[0].weight)
-    _save(out, 3, model)  # the next save sweeps the half-written folder away
+    assert torch.equal(model[0].weight, small_model()[0].weight)
+    save_small(out, 3, model)  # the next save sweeps the half-written folder away
     assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-3"]
 
 
 def _ranks_save_and_load(world, out: str):
-    model = _model()
+    model = small_model()
     torch.manual_seed(100 + world.rank)
     random.seed(world.rank)
     np.random.seed(world.rank)
@@ -178,7 +176,7 @@ def _ranks_save_and_load(world, out: str):
                                 sampler_state={"epoch": 0, "seed": 0, "consumed": 8})
     expected = torch.rand(3)
     torch.manual_seed(0)
-    loaded = ckpt.load_checkpoint(path, model=_model(seed=7), world=world)
+    loaded = ckpt.load_checkpoint(path, model=small_model(seed=7), world=world)
     ckpt.set_rng_state(loaded.rng_state)
     return failed, torch.equal(torch.rand(3), expected), loaded.saved_world_size, \
         torch.equal(loaded.rng_state["cpu"], state_before["cpu"]), sorted(os.listdir(path))
@@ -199,12 +197,14 @@ def test_checkpoint_knows_only_env_comm_and_integrity():
     with open(ckpt.__file__, encoding="utf-8") as f:
         source = f.read()
     local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
-    # zero_checkpoint: the sharded optimizer files, a leaf that knows only ddpkit.zero_state's key names.
+    # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the
+    # checksummed writes and failure explanations of integrity (a leaf).
     assert local <= {".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".zero_checkpoint"}
     with open(ckpt.__file__.replace("checkpoint.py", "checkpoint_dir.py"), encoding="utf-8") as f:
         assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {".integrity"}
     with open(ckpt.__file__.replace("checkpoint.py", "zero_checkpoint.py"), encoding="utf-8") as f:
-        assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {".zero_state"}
+        assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {
+            ".zero_state", ".integrity"}
     with open(integrity.__file__, encoding="utf-8") as f:
         assert "from ." not in f.read()  # the checks know nothing of ours
 
@@ -220,7 +220,7 @@ def _save_forever(out: str, started: str) -> None:
     opt.step()
     first = len(ckpt.list_checkpoints(out)) + 1000 * int(time.time() % 1000)
     for step in range(first, first + 10_000):
-        _save(out, step, big, opt, limit=1)
+        save_small(out, step, big, opt, limit=1)
         if not os.path.exists(started):
             open(started, "w").close()
 
@@ -256,12 +256,12 @@ def test_sigkill_at_random_moments_leaves_only_loadable_checkpoints(tmp_path):
 def test_corrupt_files_are_named_and_resume_skips_to_the_newest_whole_checkpoint(tmp_path):
     def newest(tamper) -> tuple[str, list[str]]:
         out = tmp_path / tamper.__name__
-        model, opt, sched = _trained()
-        _save(out, 1, model, opt, sched)
-        bad = _save(out, 2, model, opt, sched)
+        model, opt, sched = trained_parts()
+        save_small(out, 1, model, opt, sched)
+        bad = save_small(out, 2, model, opt, sched)
         tamper(bad)
         with pytest.raises(ckpt.CheckpointError) as caught:
-            ckpt.load_checkpoint(bad, model=_model(), optimizer=torch.optim.AdamW(_model().parameters()))
+            ckpt.load_checkpoint(bad, model=small_model(), optimizer=torch.optim.AdamW(small_model().parameters()))
         with pytest.warns(RuntimeWarning, match="skipping the corrupt checkpoint") as warned:
             found = ckpt.find_latest_checkpoint(str(out))
         assert os.path.basename(found) == "checkpoint-1"
@@ -300,9 +300,9 @@ def test_corrupt_files_are_named_and_resume_skips_to_the_newest_whole_checkpoint
 
 
 def test_a_checkpoint_saved_without_an_optimizer_says_so_when_one_is_loaded(tmp_path):
-    path = _save(tmp_path, 1, _model())
+    path = save_small(tmp_path, 1, small_model())
     with pytest.raises(ckpt.CheckpointError, match="optimizer.pt is missing"):
-        ckpt.load_checkpoint(path, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
+        ckpt.load_checkpoint(path, optimizer=torch.optim.SGD(small_model().parameters(), lr=0.1))
 
 
 @pytest.fixture
@@ -321,9 +321,9 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_is_named_and_the_older_checkpoint_kept(small_disk):
     model = torch.nn.Linear(500, 500)  # 1 MB of weights: one checkpoint fits, a second does not
-    first = _save(small_disk, 1, model, limit=1)
+    first = save_small(small_disk, 1, model, limit=1)
     with pytest.raises(ckpt.CheckpointError) as caught:
-        _save(small_disk, 2, model, limit=1)
+        save_small(small_disk, 2, model, limit=1)
     message = str(caught.value)
     assert "no space left on device" in message and str(small_disk) in message, message
     assert "enforce fail" not in message

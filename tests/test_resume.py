@@ -100,6 +100,14 @@ def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3, loggin
     return logs, params_of(model), trainer.seen
 
 
+def test_a_checkpoint_renamed_by_hand_resumes_when_named(tmp_path, local_world):
+    full = _resumable_run(str(tmp_path / "full"), max_steps=6)
+    os.rename(tmp_path / "full" / "checkpoint-3", tmp_path / "best_run")  # mv out/checkpoint-3 best_run
+    logs, params, seen = _resumable_run(str(tmp_path / "again"), resume=str(tmp_path / "best_run"), max_steps=6)
+    assert min(step for step, _, _ in seen) == 4 and logs == full[0], "not resumed at step 3, or not bitwise"
+    assert all(np.array_equal(a, b) for a, b in zip(params, full[1]))
+
+
 def resume_same_world(world, out):
     full = _resumable_run(f"{out}/full")
     from3 = _resumable_run(f"{out}/from3", resume=f"{out}/full/checkpoint-3")  # mid epoch 0

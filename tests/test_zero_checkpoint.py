@@ -3,14 +3,19 @@ one with the uninterrupted loss curve, by hand and in the Trainer."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import shutil
+import types
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import models
-from conftest import run_world
+from conftest import flip_inside, run_world
 
 GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
 RESUME_STEPS, SAVE_AT = 5, 3
@@ -220,3 +225,107 @@ def test_a_save_before_stage_2s_first_step_keeps_the_loaded_state(tmp_path):
         assert count > 0 and recount == count, (count, recount)
         assert same, "the resumed step differs from the uninterrupted one"
     assert sum(held for *_, held in results) == len(list(models.make("mlp").parameters())), results
+
+
+def _failing_save(error):
+    """torch.save failing with error() when it writes a file, as on a full disk (pickling a tensor for a collective
+    goes through torch.save into a BytesIO, and still works)."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, io.BytesIO):
+            return real(obj, f, *args, **kwargs)
+        raise error()
+    return save
+
+
+def _stepped_zero(world):
+    """The MLP under DDP with a ZeroRedundancyOptimizer after one step (Adam moments in every shard)."""
+    import ddpkit
+
+    torch.manual_seed(0)
+    module = models.make("mlp")
+    model = ddpkit.DistributedDataParallel(module)
+    zero = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    x, y = models.micro("mlp", 0, 0, world.world_size, 2)[world.rank]
+    models.loss("mlp", model, x, y, world.rank, 0).backward()
+    zero.step()
+    return module, zero
+
+
+def failing_and_corrupt_saves(world, folder):
+    """Saves that fail as a full disk makes them fail: rank 0's files (DDP's path), one rank's ZeRO shard, every
+    rank's shard through torch's own error; then a shard file corrupted without a change of size. What every
+    rank is told, what is left, what loads."""
+    import ddpkit
+    from ddpkit.checkpoint import CheckpointError, save_checkpoint
+
+    module, zero = _stepped_zero(world)
+    comm = ddpkit.Comm.for_group()
+
+    def save(step, optimizer):
+        try:
+            save_checkpoint(folder, step, model=module, optimizer=optimizer, trainer_state={"global_step": step},
+                            comm=comm, world=world)
+        except CheckpointError as exc:
+            return str(exc)
+
+    disk_full = _failing_save(lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))  # the file system's answer
+    # torch writing to a path itself reports a full disk as its own error, without an errno.
+    torch_failed = _failing_save(lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"))
+
+    def low_space(path):  # 1 MiB free
+        return types.SimpleNamespace(free=2 ** 20)
+
+    told = {"first": save(1, zero)}
+    for what, step, optimizer, patches in (
+            ("rank 0's files", 2, torch.optim.AdamW(module.parameters()),
+             [(torch, "save", disk_full)] if world.rank == 0 else []),
+            ("rank 1's shard", 3, zero, [(torch, "save", disk_full)] if world.rank == 1 else []),
+            ("every shard", 4, zero, [(torch, "save", torch_failed), (shutil, "disk_usage", low_space)])):
+        with pytest.MonkeyPatch.context() as patch:
+            for target, name, value in patches:
+                patch.setattr(target, name, value)
+            told[what] = save(step, optimizer)
+    told["left"] = sorted(os.listdir(folder))
+    told["fifth"] = save(5, zero)
+    return {**told, **_corrupt_shard(world, folder, comm)}
+
+
+def _corrupt_shard(world, folder, comm):
+    """Rank 1's shard of checkpoint-5 corrupted without a change of size: what finding and loading it say."""
+    from ddpkit import integrity
+    from ddpkit.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
+
+    told = {"marked": sorted(integrity.read_marker(f"{folder}/checkpoint-5")["crc32"])}
+    if world.rank == 0:
+        flip_inside(f"{folder}/checkpoint-5/optimizer_shard_1.pt")
+    comm.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        told["latest"] = find_latest_checkpoint(folder)
+    told["warned"] = [str(w.message) for w in caught]
+    _, fresh = _stepped_zero(world)
+    try:
+        load_checkpoint(f"{folder}/checkpoint-5", model=models.make("mlp"), optimizer=fresh, world=world)
+    except CheckpointError as exc:
+        told["named"] = str(exc)
+    load_checkpoint(told["latest"], model=models.make("mlp"), optimizer=fresh, world=world)
+    return told
+
+
+def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_path):
+    folder = str(tmp_path)
+    full = (f"could not write checkpoint {folder}/checkpoint-{{}}: no space left on device: the file system of "
+            f"{folder} is full. The older checkpoints were kept")
+    for told in run_world(failing_and_corrupt_saves, 2, args=(folder,), deadline_s=120):
+        assert told["first"] is None and told["fifth"] is None, told
+        assert told["rank 0's files"].startswith("rank 0 " + full.format(2)), told["rank 0's files"]
+        assert told["rank 1's shard"].startswith("rank 1 " + full.format(3)), told["rank 1's shard"]
+        assert told["every shard"].startswith("ranks 0, 1 " + full.format(4)), told["every shard"]
+        assert told["left"] == ["checkpoint-1"], told["left"]  # no debris, the older checkpoint kept
+        assert {"optimizer_shard_0.pt", "optimizer_shard_1.pt"} <= set(told["marked"]), told["marked"]
+        assert told["latest"] == f"{folder}/checkpoint-1"
+        assert len(told["warned"]) == 1 and "checkpoint-5: optimizer_shard_1.pt fails its checksum" in \
+            told["warned"][0], told["warned"]
+        assert "checkpoint-5 cannot be loaded: optimizer_shard_1.pt fails its checksum" in told["named"], told

@@ -14,7 +14,7 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
     trainer_state.json       global_step, log_history, ... in the Transformers format
-    checkpoint_complete.json the completion marker, written last: every file above with its size
+    checkpoint_complete.json the completion marker, written last: every file above with its size and CRC-32
 
 Every rank calls `save_checkpoint` (it gathers the RNG states); rank 0 writes the files into a hidden temporary
 folder and renames it into place, so a checkpoint either exists whole or not at all: a save killed half-way leaves
@@ -22,18 +22,21 @@ only a ``.tmp-checkpoint-*`` folder that nothing loads and the next save removes
 broadcasts the outcome, so a failed write raises everywhere instead of leaving the others waiting). Rotation
 retires an old checkpoint by renaming it to a hidden ``.trash-*`` name first and deleting it after, so a kill
 never leaves a folder that looks finished but does not load. Loading checks the folder against its marker first
-(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt.
+(see `ddpkit.integrity`) and names the file that is missing, truncated or corrupt (its checksum included). A
+checkpoint folder renamed away from ``checkpoint-<step>`` still loads when named (its step is in its marker); only
+finding, listing and rotation go by the name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
+import functools
 import json
 import os
 import re
 import shutil
 import uuid
+import zlib
 from typing import Any
 
 import torch
@@ -44,7 +47,8 @@ from .checkpoint_dir import (PREFIX, TRAINER_STATE_FILE, checkpoint_run, checkpo
                              remove_stale, rotate_checkpoints)
 from .comm import Comm
 from .env import DistEnv
-from .integrity import MARKER_FILE, CheckpointError, manifest, problems
+from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
+                        write_failure, write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
 
@@ -58,15 +62,16 @@ RNG_FILE = "rng_state_{rank}.pth"
 
 # -- writing ----------------------------------------------------------------------------------------------------
 
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+def write_json(path: str, obj: Any) -> int:
+    """Write JSON through a temporary file and a rename, so readers never see half a file; its bytes' CRC-32."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return zlib.crc32(data)
 
 
 def save_weights(model: torch.nn.Module, path: str) -> None:
@@ -77,25 +82,30 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_folder(folder: str, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
-                  scaler=None, run: str | None = None) -> None:
+def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
+                  scaler=None, crc32: dict[str, int] | None = None, run: str | None = None) -> None:
+    """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
+    ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
+    sums = dict(crc32 or {})
     save_model(model, os.path.join(folder, MODEL_FILE))
-    if scaler is not None:  # the same on every rank: the ranks agree on every skip (ddpkit.precision)
-        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_FILE))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), os.path.join(folder, SCHEDULER_FILE))
+    # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
+    sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
+    # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
+    for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
+        if source is not None:
+            saved = source.state_dict()
+            sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, saved))
     if sampler_state is not None:
-        write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
+        sums[SAMPLER_FILE] = write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
     for rank, state in enumerate(rng_states):
-        torch.save(state, os.path.join(folder, RNG_FILE.format(rank=rank)))
-    write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
+        name = RNG_FILE.format(rank=rank)
+        sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
+    sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
     names = os.listdir(folder)
     for name in names:
         fsync_path(os.path.join(folder, name))
     # Last, once every other byte is on disk: a folder without the marker is not a checkpoint (checkpoint_step).
-    marker = manifest(folder, names, trainer_state.get("global_step", -1))
+    marker = manifest(folder, names, step, crc32=sums)
     write_json(os.path.join(folder, MARKER_FILE), marker if run is None else {**marker, "run": run})
     fsync_path(folder)
 
@@ -133,53 +143,30 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
-    sharded, outcome = is_sharded(optimizer), None
+    sharded, failures, shard_sums = is_sharded(optimizer), [], {}
     if sharded:  # ZeRO: every rank writes its own slice of the optimizer state into the folder (zero_checkpoint)
         tmp = comm.broadcast_object(tmp, src=0, what=f"checkpoint-{step} folder")
-        outcome = stage_shards(tmp, optimizer, comm, world.is_main, prepare=lambda: remove_stale(output_dir))
-    if world.is_main and outcome is None:
+        failures, shard_sums = stage_shards(tmp, optimizer, comm, world.is_main,
+                                            prepare=lambda: remove_stale(output_dir))
+    if world.is_main and not failures:
         try:
             os.makedirs(output_dir, exist_ok=True)
             if not sharded:
                 remove_stale(output_dir)
                 os.makedirs(tmp)
-            _write_folder(tmp, model, None if sharded else optimizer, scheduler, trainer_state, sampler_state,
-                          rng_states, scaler, run)
+            _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
+                          sampler_state, rng_states, scaler, shard_sums, run)
             _publish(tmp, final, run)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
-            outcome = _write_failure(exc, output_dir)
-    if outcome is not None and world.is_main:
+            failures = [(0, write_failure(exc, output_dir))]
+    if failures and world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written folder only takes space: the older ones stay
-    # The barrier: every rank waits for rank 0's write and learns whether it worked.
-    outcome = comm.broadcast_object(outcome, src=0, what=f"checkpoint-{step} written")
-    if outcome is not None:
-        raise CheckpointError(f"rank 0 could not write checkpoint {final}: {outcome}")
+    # The barrier: every rank waits for rank 0's write and learns whether it (and every shard) worked.
+    failures = comm.broadcast_object(failures, src=0, what=f"checkpoint-{step} written")
+    if failures:
+        raise write_failures(final, failures)
     return final
-
-
-# torch's zip writer reports a full disk as its own error, without the OSError's errno.
-_WRITER_FAILURES = ("unexpected pos", "file write failed", "No space left")
-LOW_SPACE_BYTES = 16 * 1024 * 1024  # below this much free space, a failed write is taken for a full disk
-
-
-def _write_failure(exc: BaseException, output_dir: str) -> str:
-    """What to tell every rank about a failed write: a full disk in plain words, anything else as it came."""
-    chain, seen = [], exc
-    while seen is not None:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
-    if not full and any(marker in str(e) for e in chain for marker in _WRITER_FAILURES):
-        try:
-            full = shutil.disk_usage(output_dir).free < LOW_SPACE_BYTES
-        except OSError:
-            pass
-    if full:
-        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full. The older "
-                "checkpoints were kept and nothing half-written was left behind. Free some space, lower "
-                "save_total_limit, or point output_dir at a larger disk")
-    return f"{type(exc).__name__}: {exc}"
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -199,13 +186,33 @@ def _load_tensors(path: str, device: torch.device | str) -> Any:
     return torch.load(path, map_location=device, weights_only=True)
 
 
+def folder_step(path: str) -> int | None:
+    """The step of a checkpoint folder named to be loaded: `checkpoint_step`'s, or for a folder renamed away from
+    checkpoint-<step> (``mv out/checkpoint-500 best_run``) the step its completion marker records (else its
+    trainer_state.json's global_step). None: not a finished checkpoint."""
+    step = checkpoint_step(path)
+    if step is not None or not os.path.isfile(os.path.join(path, MARKER_FILE)):
+        return step
+    try:
+        step = read_marker(path).get("step")
+        if not isinstance(step, int) or step < 0:  # an older ddpkit wrote trainer_state's global_step, or -1
+            step = read_trainer_state(path).get("global_step")
+    except (CheckpointError, AttributeError):
+        return None  # check_loadable names what cannot be read
+    return step if isinstance(step, int) and step >= 0 else None
+
+
 def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False) -> None:
     """Raise CheckpointError naming every missing, truncated or corrupt file of checkpoint `path` (and the
     optimizer or scheduler file, when they are to be loaded and were never saved)."""
-    if checkpoint_step(path) is None:
-        raise FileNotFoundError(f"{path} is not a finished checkpoint folder ({PREFIX}-<step> holding "
-                                f"{MARKER_FILE}); resume from another one")
+    step = folder_step(path)
+    if step is None and not os.path.isfile(os.path.join(path, MARKER_FILE)):
+        raise FileNotFoundError(f"{path} is not a finished checkpoint folder (one holding {MARKER_FILE}, or an "
+                                f"older ddpkit's {PREFIX}-<step> holding {TRAINER_STATE_FILE}); resume from "
+                                "another one")
     wrong = problems(path)
+    if step is None and not wrong:
+        wrong.append(f"neither {MARKER_FILE} nor {TRAINER_STATE_FILE} records its step")
     for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         there = os.path.isfile(os.path.join(path, name)) or (name == OPTIMIZER_FILE and shard_files(path))
         if wanted and not there and f"{name} is missing" not in wrong:
@@ -251,7 +258,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     with `set_rng_state` right before training goes on.
     """
     check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None)
-    step = checkpoint_step(path)
+    step = folder_step(path)
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0
     if model is not None:
@@ -288,5 +295,6 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
 
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "checkpoint_run", "find_latest_checkpoint",
+           "folder_step",
            "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_trainer_state", "remove_stale",
            "rng_state", "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]

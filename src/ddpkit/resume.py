@@ -66,8 +66,9 @@ def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0) -> 
     if restart > 0:
         latest = checkpoint.find_latest_checkpoint(output_dir, current)  # no run file: any run's, as before runs
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
-        path = latest if latest is not None and (named is None or checkpoint.checkpoint_step(latest) >
-                                                 (checkpoint.checkpoint_step(named) or -1)) else None
+        named_step = checkpoint.folder_step(named) if named is not None else None
+        path = latest if latest is not None and (named_step is None or checkpoint.checkpoint_step(latest) >
+                                                 named_step) else None
         path = path or _asked(resume, output_dir, current)
         run = current or (checkpoint.checkpoint_run(path) if path else None) or runs.new_run_id()
         return RunChoice(path, run, _others(output_dir, run))
@@ -75,7 +76,7 @@ def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0) -> 
     run = checkpoint.checkpoint_run(path) if path else None
     behind = None
     if run is not None:  # a checkpoint of the same run past the one resumed from: this launch is a branch
-        step = checkpoint.checkpoint_step(path)
+        step = checkpoint.folder_step(path)
         later = [p for p in checkpoint.list_checkpoints(output_dir, run) if (checkpoint.checkpoint_step(p) or 0) >
                  (step if step is not None else float("inf"))]
         if later:

@@ -1,6 +1,6 @@
 """Sharded optimizer checkpoints: each rank writes its own slices, each rank reads only the slices it needs.
 
-    write_shard(folder, optimizer, rank)      optimizer_shard_<rank>.pt: this rank's state, by flat element range
+    write_shard(folder, optimizer, rank, n)   optimizer_shard_<rank>.pt: this rank's state, by flat element range
     read_into(folder, optimizer)              a ZeroRedundancyOptimizer (any stage, any world size) or a plain one
 
 A shard file holds {"format", "world_size", "param_groups", "pieces"}: each piece is (parameter index, start,
@@ -15,6 +15,7 @@ the same way by a sharded one.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .integrity import write_checksummed, write_failure
 from .zero_state import COUNT_KEYS, flat_state, whole_pieces
 
 SHARD_FILE = "optimizer_shard_{rank}.pt"
@@ -32,15 +34,16 @@ def is_sharded(optimizer: Any) -> bool:
     return hasattr(optimizer, "shard_state") and hasattr(optimizer, "load_shard_state")
 
 
-def write_shard(folder: str, optimizer: Any, rank: int, world_size: int) -> str:
-    """This rank's pieces of the optimizer state into `folder` (every rank calls it, into the same folder)."""
+def write_shard(folder: str, optimizer: Any, rank: int, world_size: int) -> tuple[str, int]:
+    """This rank's pieces of the optimizer state into `folder` (every rank calls it, into the same folder); the
+    file's name and the CRC-32 of its bytes, for the completion marker."""
     pieces = [(index, start, stop, flat_state(state, stop - start))
               for index, start, stop, state in optimizer.shard_state()]
     groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
               for g in optimizer.param_groups]
-    path = os.path.join(folder, SHARD_FILE.format(rank=rank))
-    torch.save({"format": FORMAT, "world_size": world_size, "param_groups": groups, "pieces": pieces}, path)
-    return path
+    name = SHARD_FILE.format(rank=rank)
+    saved = {"format": FORMAT, "world_size": world_size, "param_groups": groups, "pieces": pieces}
+    return name, write_checksummed(os.path.join(folder, name), functools.partial(torch.save, saved))
 
 
 def shard_files(folder: str) -> list[str]:
@@ -135,24 +138,32 @@ def _load(groups: list[dict], pieces: list[tuple[int, int, int, dict]], optimize
     optimizer.load_state_dict({"state": state, "param_groups": numbered})
 
 
-def stage_shards(tmp: str, optimizer: Any, comm: Any, is_main: bool, prepare: Any = None) -> str | None:
+def stage_shards(tmp: str, optimizer: Any, comm: Any, is_main: bool,
+                 prepare: Any = None) -> tuple[list[tuple[int, str]], dict[str, int]]:
     """checkpoint.save_checkpoint's hook: rank 0 runs `prepare` (clears stale folders) and makes the temporary
-    folder, every rank writes its shard into it, and every rank learns whether all of them could (the error
-    text, or None), so that a failure on any rank raises on every rank instead of leaving the others waiting."""
+    folder, every rank writes its shard into it, and every rank learns whether all of them could, so that a
+    failure on any rank raises on every rank instead of leaving the others waiting.
+
+    Returns the failures, (rank, what went wrong: a full disk in plain words, integrity.write_failure), and every
+    shard file's CRC-32 by name, which rank 0 writes into the completion marker: one gather carries both."""
+    output_dir = os.path.dirname(tmp) or "."
     error = None
     if is_main:
         try:
-            os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)
+            os.makedirs(output_dir, exist_ok=True)
             if prepare is not None:
                 prepare()
             os.makedirs(tmp)
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    error = comm.broadcast_object(error, src=0, what="optimizer shards folder")
-    if error is None:
-        try:
-            write_shard(tmp, optimizer, comm.rank, comm.world_size)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, below
-            error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in comm.all_gather_object(error, what="optimizer shards written") if e is not None]
-    return "; ".join(errors) or None
+            error = write_failure(exc, output_dir)
+    error = comm.broadcast_object(error, src=0, what="optimizer shards folder")
+    if error is not None:
+        return [(0, error)], {}
+    written = None
+    try:
+        written = write_shard(tmp, optimizer, comm.rank, comm.world_size)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, below
+        error = write_failure(exc, output_dir)
+    outcomes = comm.all_gather_object((error, written), what="optimizer shards written")
+    failures = [(rank, text) for rank, (text, _) in enumerate(outcomes) if text is not None]
+    return failures, dict(written for _, written in outcomes if written is not None)
