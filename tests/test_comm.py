@@ -109,6 +109,41 @@ def test_a_world_of_one_numbers_collectives_and_tells_observers_of_them():
     assert [r.seq for r in comm.log] == [1, 2]
 
 
+def test_which_backends_complete_a_collective_after_its_wait():
+    from ddpkit.collective import completes_later
+
+    assert completes_later("nccl", "cuda") and completes_later("xccl", "xpu") and completes_later("hccl", "npu")
+    assert not completes_later("gloo", "cuda")  # gloo reduces CUDA tensors through the host: its wait blocks
+    assert not completes_later("nccl", "cpu") and not completes_later("mpi", "cuda")
+    assert completes_later("cpu:gloo,cuda:nccl", "cuda") and not completes_later("cpu:gloo,cuda:nccl", "cpu")
+    assert not completes_later("cpu:gloo", "cuda") and not completes_later("none", "cuda")
+
+
+def test_a_wait_that_returns_before_its_collective_completed_hands_observers_a_test():
+    """NCCL's wait (here a comm hook's future) returns at once: after it ends, each observer is handed the test
+    that says when the device completed it; a collective whose wait blocks gets none."""
+    from ddpkit.comm import Comm
+
+    comm = Comm()
+    recorder = _recorder()
+    recorder.deferred = lambda record, completed: recorder.events.append(("deferred", record.seq, completed()))
+    comm.add_observer(recorder)
+    comm.completion_test = lambda device: lambda: f"test of {device}"
+    done = torch.futures.Future()
+    done.set_result(torch.ones(1))
+    on_cpu = comm.note("comm_hook", "bucket 0", 4, torch.device("cpu"))
+    comm.wait(done, on_cpu)
+    comm.deferred_on = lambda device: device  # as a Comm on NCCL answers for a CUDA device
+    gpu = torch.device("cuda", 1)
+    on_gpu = comm.note("comm_hook", "bucket 1", 4, gpu)
+    comm.wait(done, on_gpu)
+    assert (on_cpu.device, on_gpu.device) == (None, gpu)
+    assert recorder.events == [("issued", 1, "comm_hook", "bucket 0", 4), ("began", 1), ("ended", 1, None),
+                               ("finished", 1, True),
+                               ("issued", 2, "comm_hook", "bucket 1", 4), ("began", 2), ("ended", 2, None),
+                               ("finished", 2, True), ("deferred", 2, "test of cuda:1")]
+
+
 def pairwise_collectives(world):
     """gloo's reduce-scatter and all-gather, composed from point-to-point sends, against a one-process sum."""
     from ddpkit.comm import Comm

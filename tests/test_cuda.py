@@ -8,6 +8,9 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -74,6 +77,48 @@ def test_nccl_truth():
     assert results[0][1] == results[1][1]
 
 
+@needs_cuda
+def test_a_device_event_says_from_another_thread_when_the_stream_has_run():
+    from ddpkit.collective import device_event
+
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles queued on the current stream
+    completed = device_event(torch.device("cuda", 0))
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(completed()))  # as the stall inspector's thread asks
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    assert seen == [False] and completed()
+
+
+def nccl_stall(world, away_s):
+    """Rank 1 stays away; rank 0's all-reduce returns at once (NCCL's wait only orders the stream) and rank 0
+    blocks in .item(), where the inspector never saw a wait before."""
+    import ddpkit
+
+    torch.cuda.set_device(world.rank)
+    comm = ddpkit.Comm.for_group()
+    comm.all_reduce(torch.ones(1, device="cuda"), "warm-up")  # NCCL's communicator is made (blocking) here
+    torch.cuda.synchronize()
+    if world.rank == 1:
+        time.sleep(away_s)  # the culprit
+    total = torch.ones(4, device="cuda")
+    began = time.monotonic()
+    comm.all_reduce(total, "metrics")
+    returned = time.monotonic() - began
+    value = total.sum().item()
+    return returned, time.monotonic() - began, value
+
+
+@needs_two
+def test_a_stalled_nccl_collective_is_explained_long_before_the_timeout(capfd):
+    (returned, blocked, value), _ = run_world(nccl_stall, 2, args=(8,), backend="nccl", start_method="spawn",
+                                              collective_timeout_s=60, stall_seconds=2, deadline_s=180)
+    assert returned < 1 and blocked > 6 and value == 8.0, (returned, blocked, value)
+    err = capfd.readouterr().err
+    assert re.search(r"\[ddpkit rank 0\] rank 0 has waited [2-4] s in collective #\d+ all_reduce \(metrics\), "
+                     r"which cuda:0 has not completed", err), err
+    assert "ranks that never arrived: [1]" in err and "time.sleep(away_s)" in err, err
 
 
 def fp16_trainer(world, out, stage):

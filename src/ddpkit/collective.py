@@ -1,6 +1,6 @@
 """What one collective is, apart from the Comm that issues it: its record, the observer protocol that hears of it,
-the numbering and telling of the observers (`Observed`, Comm's base), the handle of one in flight, and how many
-tensors travel as one message.
+the numbering and telling of the observers (`Observed`, Comm's base), the handle of one in flight, how many
+tensors travel as one message, and how a collective that completes on a device after its wait is tested.
 
 `ddpkit.comm.Comm` is the only caller of collectives; this module calls none.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +28,9 @@ class CollectiveRecord:
     what: str  # what it is for: "bucket 3, backward 7", "logged loss"
     nbytes: int  # bytes this rank contributes (all_gather: what it receives)
     started: float  # time.monotonic() when it was issued
+    # Where it completes after its wait returned (NCCL's CUDA tensors: the wait only makes the device's stream
+    # wait for it, see `completes_later`); None: its wait blocks until it completed.
+    device: torch.device | None = None
 
 
 class CommObserver:
@@ -34,7 +38,9 @@ class CommObserver:
 
     Calls come in this order for one collective: `issued`, then for each wait on it `wait_began` and
     `wait_ended` (none for an asynchronous one nobody waits for), and `finished` once, possibly before the wait
-    ends and from another thread. Observers must be quick: they run on the training step's path.
+    ends and from another thread. A collective with a `record.device` completes there after its wait returned:
+    `finished` says only that it was enqueued, and each wait ends with `deferred`. Observers must be quick: they
+    run on the training step's path.
     """
 
     def issued(self, record: CollectiveRecord) -> None:
@@ -53,7 +59,13 @@ class CommObserver:
     def finished(self, record: CollectiveRecord, error: BaseException | None) -> None:
         """`record` completed (`error` None) or failed. For an asynchronous collective this comes from the
         backend's thread as soon as it completes (a callback on its Work's future), waited for or not; for a
-        blocking one, and a comm hook's future, when the wait returns."""
+        blocking one, and a comm hook's future, when the wait returns. For one with a `record.device` (NCCL's),
+        those moments are when it was enqueued, not when it completed."""
+
+    def deferred(self, record: CollectiveRecord, completed: Callable[[], bool]) -> None:
+        """The main thread's wait on `record` returned before the collective completed: the backend only made
+        `record.device`'s current stream wait for it (NCCL), and the CPU goes on. `completed()` says, without
+        blocking and from any thread, whether it has completed since; keep it no longer than until it says so."""
 
     def close(self) -> None:
         """The group is about to be destroyed (`destroy_process_group`): stop threads, flush files."""
@@ -123,9 +135,19 @@ class Observed:
         for observer in observers:
             observer.close()
 
-    def _record(self, op: str, what: str, nbytes: int) -> CollectiveRecord:
+    def deferred_on(self, device: torch.device | None) -> torch.device | None:
+        """`device` when this group's collectives of tensors there complete after their wait returned; None when
+        a wait blocks until its collective completed. Comm, which knows the backend, says which (here: none)."""
+        return None
+
+    def completion_test(self, device: torch.device) -> Callable[[], bool] | None:
+        """A test of whether what `device`'s current stream holds so far has run (see `device_event`)."""
+        return device_event(device)
+
+    def _record(self, op: str, what: str, nbytes: int, device: torch.device | None = None) -> CollectiveRecord:
+        """device: where it completes after its wait (`deferred_on`'s answer), None where its wait blocks."""
         self.seq += 1
-        record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic())
+        record = CollectiveRecord(self.seq, op, what, nbytes, time.monotonic(), device)
         self.log.append(record)
         for observer in self.observers:
             observer.issued(record)
@@ -169,6 +191,16 @@ class Observed:
             observer.wait_ended(record, None)
             if finishes:
                 observer.finished(record, None)
+        if record.device is not None and observers:
+            self._defer(record, observers)
+
+    def _defer(self, record: CollectiveRecord, observers: tuple[CommObserver, ...]) -> None:
+        """After a wait that returned before its collective completed: hand the observers a test of completion
+        (one event recorded on the device's stream: a few microseconds, and only with observers)."""
+        completed = self.completion_test(record.device)
+        if completed is not None:
+            for observer in observers:
+                observer.deferred(record, completed)
 
     def wait(self, pending: Any, record: CollectiveRecord | None = None) -> Any:
         """Wait for an asynchronous collective: a `Pending` or an `Exchange` from `all_reduce(async_op=True)`
@@ -199,9 +231,49 @@ class Observed:
         pending.wait()
         return None
 
-    def note(self, op: str, what: str, nbytes: int = 0) -> CollectiveRecord:
-        """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained."""
-        return self._record(op, what, nbytes)
+    def note(self, op: str, what: str, nbytes: int = 0, device: torch.device | None = None) -> CollectiveRecord:
+        """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained.
+        device: where its tensors are (a bucket's), so that a wait that returns before it completed is seen."""
+        return self._record(op, what, nbytes, self.deferred_on(device))
+
+
+# Backends whose wait blocks the CPU until the collective completed, whatever the tensors' device: gloo runs its
+# collectives on its own CPU threads (CUDA tensors through host copies), and MPI's calls block.
+BLOCKING_BACKENDS = ("gloo", "mpi")
+
+
+@functools.cache
+def completes_later(backend: str, device_type: str) -> bool:
+    """Whether `backend` completes collectives of tensors on `device_type` after their wait returned: NCCL's wait
+    (and that of every library that runs collectives on a device stream: xccl, hccl, cncl, ucc) only makes the
+    device's current stream wait, and the CPU goes on. `backend` may name one per device ("cpu:gloo,cuda:nccl")."""
+    if device_type == "cpu":
+        return False
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device_type, "none")
+    return backend.lower() not in (*BLOCKING_BACKENDS, "none", "undefined")
+
+
+def device_event(device: torch.device) -> Callable[[], bool] | None:
+    """A test that says, without blocking and from any thread, whether what `device`'s current stream holds so
+    far has run: an event recorded there. Recorded after a wait that made that stream wait for a collective, it
+    says when the collective completed (or when the stream's earlier work did, if that came later). None for a
+    device whose torch module has no events, or while its stream is captured into a graph."""
+    module = getattr(torch, device.type, None)
+    if not all(hasattr(module, name) for name in ("Event", "current_stream", "device")):
+        return None
+    if getattr(module, "is_current_stream_capturing", lambda: False)():
+        return None  # an event recorded into a graph under capture has not run until the graph is replayed
+    event = module.Event()
+    event.record(module.current_stream(device))
+
+    def completed() -> bool:
+        # Called from another thread (the stall inspector's): the first CUDA call of a thread whose current device
+        # was never set opens a context on device 0, some hundreds of MiB of every rank's on that one GPU.
+        with module.device(device):
+            return event.query()
+
+    return completed
 
 
 def _complete(pending: Pending | Exchange) -> None:

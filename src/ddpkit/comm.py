@@ -7,7 +7,9 @@ Collectives on one process group form one sequence on every rank, so there is on
 
 A Comm knows only a list of observers (`CommObserver`: the stall inspector is one, a timeline another) and tells
 each of them every event of every collective: issued, the main thread's wait begins and ends, finished. It
-imports none of them; with no observer attached an event costs one test of an empty list.
+imports none of them; with no observer attached an event costs one test of an empty list. Where the backend's
+wait returns before the collective completed (NCCL's, on the GPU: `deferred_on` says where), each wait also
+hands the observers a test of its completion (`CommObserver.deferred`), so that a stall there can be seen.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: par
     _as_bytes,
     _chunks,
     _DoneWork,
+    completes_later,
 )
 from .env import DistEnv
 
@@ -74,6 +77,11 @@ class Comm(Observed):
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
 
+    def deferred_on(self, device: torch.device | None) -> torch.device | None:
+        """`device` when this group's backend completes collectives of its tensors after their wait returned
+        (NCCL on CUDA: see `collective.completes_later`), so that observers are handed a test of completion."""
+        return device if device is not None and completes_later(self.backend, device.type) else None
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank `group_rank` (collectives take global ranks as src)."""
         if self.group is None or not self.active:
@@ -84,7 +92,8 @@ class Comm(Observed):
     def all_reduce(self, tensor: torch.Tensor, what: str = "", async_op: bool = False,
                    op: dist.ReduceOp = dist.ReduceOp.SUM):
         """Sum (by default) `tensor` in place over the group. async_op=True returns what `wait` takes."""
-        record = self._record("all_reduce", what, tensor.numel() * tensor.element_size())
+        record = self._record("all_reduce", what, tensor.numel() * tensor.element_size(),
+                              self.deferred_on(tensor.device))
         if not self.distributed:
             return _DoneWork(tensor) if async_op else None
         if async_op:
@@ -115,7 +124,8 @@ class Comm(Observed):
         if rider is not None and self.distributed and not pairs:
             raise ValueError("reduce_scatter_tensor: a rider travels only with the point-to-point reduce-scatter "
                              "(gloo, a sum, CPU tensors of one dtype, contiguous); all-reduce it on its own instead")
-        record = self._record("reduce_scatter", what, input.numel() * input.element_size())
+        record = self._record("reduce_scatter", what, input.numel() * input.element_size(),
+                              self.deferred_on(input.device))
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
@@ -137,7 +147,8 @@ class Comm(Observed):
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, it needs input's "
                              f"{input.numel()} times the world size {self.world_size}")
-        record = self._record("all_gather", what, output.numel() * output.element_size())
+        record = self._record("all_gather", what, output.numel() * output.element_size(),
+                              self.deferred_on(output.device))
         if not self.distributed:
             output.copy_(input.reshape(output.shape))
             return _DoneWork(output) if async_op else None
@@ -150,10 +161,11 @@ class Comm(Observed):
         rank, the tensors rank r's values go into (`pieces[self.rank]`: what this rank sends); the same count,
         dtype and sizes on every rank. On gloo they travel straight from and into those tensors (views of
         parameters: nothing packed, nothing copied); elsewhere through one flat all-gather."""
-        record = self._record("all_gather", what, sum(t.numel() * t.element_size() for p in pieces for t in p))
+        some = next((t for part in pieces for t in part), None)
+        record = self._record("all_gather", what, sum(t.numel() * t.element_size() for p in pieces for t in p),
+                              self.deferred_on(None if some is None else some.device))
         if not self.distributed:
             return _DoneWork(None) if async_op else None
-        some = next((t for part in pieces for t in part), None)
         if some is None:
             return _DoneWork(None) if async_op else None
         if self._pairs(some) and pairwise.direct(pieces):
@@ -204,14 +216,16 @@ class Comm(Observed):
         return Exchange(works, record, then)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
-        record = self._record("broadcast", what, tensor.numel() * tensor.element_size())
+        record = self._record("broadcast", what, tensor.numel() * tensor.element_size(),
+                              self.deferred_on(tensor.device))
         if self.distributed:
             with self._blocking(record):
                 dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
 
     def all_gather(self, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
         """Every rank's `tensor` stacked along a new first dimension, in rank order."""
-        record = self._record("all_gather", what, tensor.numel() * tensor.element_size() * self.world_size)
+        record = self._record("all_gather", what, tensor.numel() * tensor.element_size() * self.world_size,
+                              self.deferred_on(tensor.device))
         if not self.distributed:
             return tensor.unsqueeze(0).clone()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -274,7 +288,7 @@ class Comm(Observed):
 
     def barrier(self, what: str = "", device: torch.device | None = None) -> None:
         """Wait for every rank of the group."""
-        record = self._record("barrier", what, 0)
+        record = self._record("barrier", what, 0, self.deferred_on(device))
         if not self.distributed:
             return
         with self._blocking(record):

@@ -1,7 +1,8 @@
 """The stall inspector's reasoning, as pure functions of the states every rank publishes (see ddpkit.monitor).
 
 A published state is a dict: rank, host, pid, `published` (how many times this rank published), `waiting` (None,
-or the collective its main thread blocks in: seq, op, what, for_s, and `id`, which numbers its waits), done_seq
+or the collective its main thread blocks in: seq, op, what, for_s, and `id`, which numbers its waits; with a
+`device`, the collective that device has not completed though the wait on it returned, as NCCL's do), done_seq
 and done_what (the last collective it finished), `issued` (its last few collectives: [seq, op, what]), stack (its
 main thread's Python stack). A rank that left the process group leaves a marker: rank, seq and what of the last
 collective it issued, and how it left.
@@ -38,7 +39,7 @@ def explanation_times(threshold_s: float, timeout_s: float) -> list[float]:
     return times
 
 
-def _indent(text: str) -> str:
+def indent(text: str) -> str:
     return "\n".join("    " + line for line in text.rstrip().splitlines())
 
 
@@ -57,8 +58,10 @@ def explain(rank: int, states: dict[int, State | None]) -> str:
     mine = states[rank]["waiting"]
     if mine is None:
         return "not waiting in any collective"
+    # On a device (NCCL) the wait returned at once, and the device has not completed the collective since.
+    on = f", which {mine['device']} has not completed" if "device" in mine else ""
     lines = [f"rank {rank} has waited {mine['for_s']:.0f} s in collective #{mine['seq']} "
-             f"{mine['op']} ({mine['what']})."]
+             f"{mine['op']} ({mine['what']}){on}."]
     absent = []
     for other, state in states.items():
         if other == rank:
@@ -84,7 +87,7 @@ def explain(rank: int, states: dict[int, State | None]) -> str:
         doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
             f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
         lines.append(f"rank {other} (host {state['host']}, pid {state['pid']}) never arrived: it {doing}. "
-                     f"Its main thread is at:\n{_indent(state['stack'])}")
+                     f"Its main thread is at:\n{indent(state['stack'])}")
     if absent:
         lines.insert(1, f"ranks that never arrived: {absent}")
     return "\n".join(lines)
@@ -115,8 +118,10 @@ def _conflict(states: dict[int, State]) -> tuple[int, int, int] | None:
 
 def _where(state: State) -> str:
     waiting = state["waiting"]
+    # On a device (NCCL) the wait returned long ago: the stack is where the main thread blocked since.
+    called = f", on {waiting['device']}; its main thread is now at" if "device" in waiting else ", called from"
     return (f"rank {state['rank']} (host {state['host']}, pid {state['pid']}) waits in collective "
-            f"#{waiting['seq']} {waiting['op']} ({waiting['what']}), called from:\n{_indent(state['stack'])}")
+            f"#{waiting['seq']} {waiting['op']} ({waiting['what']}){called}:\n{indent(state['stack'])}")
 
 
 def mismatch_deadlock(previous: dict[int, State | None], current: dict[int, State | None]) -> str | None:

@@ -19,6 +19,10 @@ a second, raises `PeerFailedError` in its main thread and, if that thread is stu
 process a few seconds later, so a crash never turns into a silent wait for the timeout. A rank that leaves
 without an error (it returned, exited 0, or destroyed the group) posts that it left, and a collective that fails
 or can never finish because of it raises `PeerLeftError` naming it.
+
+On NCCL a wait returns before its collective completed, and the main thread blocks later (a `.item()`): there the
+thread waits in the oldest collective the device has not completed (ddpkit.unfinished), and every rank's thread
+ends a certain deadlock itself, its main thread stuck in C++.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from typing import Any
 import torch.distributed as dist
 
 from . import diagnosis
-from .diagnosis import default_threshold
+from .diagnosis import default_threshold, indent
 from .errors import DeadlockError, PeerFailedError, PeerLeftError, StallError, record_unraised
+from .unfinished import DeviceWait, Unfinished
 
 # How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
 # stack capture a second cost well under 0.1% of a step.
@@ -109,6 +114,8 @@ class StallMonitor:
         self.main_thread = threading.main_thread()
         self.waiting: tuple[int, str, str, float, int] | None = None  # (seq, op, what, since, wait number)
         self.waits = 0  # waits entered so far: numbers each one, so a state can be matched to a wait
+        self.unfinished = Unfinished()  # waits that returned before their collective completed (NCCL's)
+        self.device_wait: DeviceWait | None = None  # the oldest of them, once unfinished a poll after its wait
         self.issued_recent: collections.deque = collections.deque(maxlen=ISSUED_KEPT)
         self.done_seq = 0
         self.done_what = ""
@@ -145,7 +152,15 @@ class StallMonitor:
         return explanation
 
     def finished(self, record: Any, error: BaseException | None) -> None:
-        if error is None and record.seq > self.done_seq:  # asynchronous ones may complete out of order
+        if error is None and record.device is None:  # with a device, only enqueued: `deferred` tests completion
+            self._done(record)
+
+    def deferred(self, record: Any, completed: Any) -> None:
+        self.waits += 1
+        self.unfinished.add(record, completed, self.waits)
+
+    def _done(self, record: Any) -> None:
+        if record.seq > self.done_seq:  # asynchronous ones may complete out of order
             self.done_seq = record.seq
             self.done_what = f"{record.op} ({record.what})"
 
@@ -210,15 +225,18 @@ class StallMonitor:
 
     # -- the thread ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
+        try:
+            while not self._stop.wait(self.poll_s):
                 if not self._poll():
                     return
-            except Exception:  # noqa: BLE001 - the store is gone with rank 0: the job is ending, and the
-                return  # monitor must never be what fails (nor retry into a flood of store warnings)
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: the job is ending, and the
+            return  # monitor must never be what fails (nor retry into a flood of store warnings)
+        finally:
+            self.unfinished.close()  # nothing settles them any more: keep none
 
     def _poll(self) -> bool:
         """Publish, look for failed peers, certain deadlocks and stalls; False when the thread's work is done."""
+        self._settle()
         mine = self._state()
         self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(mine))
         if self._stop.is_set():
@@ -251,16 +269,30 @@ class StallMonitor:
             print(f"[ddpkit rank {self.rank}] {text}", file=sys.stderr, flush=True)
         return True
 
+    def _settle(self) -> None:
+        """Count what the device completed as finished; the oldest collective left unfinished a poll after its
+        wait returned is waited in (one in flight for less is the pipeline at work, not a stall)."""
+        for record in self.unfinished.settle():
+            self._done(record)
+        self.device_wait = self.unfinished.oldest(unfinished_for=min(self.poll_s, self.threshold_s))
+
+    def _current_wait(self) -> tuple | None:
+        """What this rank waits in: the main thread's blocking wait, or the device's oldest unfinished collective,
+        whichever comes first in the sequence (a blocking wait queued behind that one waits for it too)."""
+        blocking, device = self.waiting, self.device_wait
+        return blocking if device is None or (blocking is not None and blocking[0] <= device[0]) else device
+
     def _state(self) -> dict[str, Any]:
         frame = sys._current_frames().get(self.main_thread.ident)
         stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else ""
-        waiting = self.waiting
+        waiting = self._current_wait()
         self._published += 1
+        published = None if waiting is None else {"seq": waiting[0], "op": waiting[1], "what": waiting[2],
+                                                  "for_s": round(time.monotonic() - waiting[3], 1), "id": waiting[4]}
+        if isinstance(waiting, DeviceWait):
+            published["device"] = waiting.device
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
-                "published": self._published,
-                "waiting": None if waiting is None else {"seq": waiting[0], "op": waiting[1], "what": waiting[2],
-                                                         "for_s": round(time.monotonic() - waiting[3], 1),
-                                                         "id": waiting[4]},
+                "published": self._published, "waiting": published,
                 "done_seq": self.done_seq, "done_what": self.done_what,
                 "issued": [[r.seq, r.op, r.what] for r in list(self.issued_recent)], "stack": stack}
 
@@ -307,7 +339,11 @@ class StallMonitor:
         print(f"[ddpkit rank {self.rank}] {report}\n[ddpkit rank {self.rank}] no rank can progress: ending the "
               "job now", file=sys.stderr, flush=True)
         if not ender:
-            if self._stop.wait(self.grace_s) or self.waiting is None or self.waiting[4] != waiting["id"]:
+            if self._stop.wait(self.grace_s):
+                return
+            current = self._current_wait()
+            # A wait on the device never raises in the main thread: there this thread ends the process.
+            if "device" not in waiting and (current is None or current[4] != waiting["id"]):
                 return  # the collective broke and the main thread raised the report
         frame = sys._current_frames().get(self.main_thread.ident)
         record_unraised(error, "".join(traceback.format_stack(frame)) if frame else "")
@@ -337,7 +373,7 @@ class StallMonitor:
         return None
 
     def _on_peer_failure(self, rank: int, text: str) -> None:
-        message = f"rank {rank} failed, so rank {self.rank} stops. Rank {rank}'s error:\n{_indent(text)}"
+        message = f"rank {rank} failed, so rank {self.rank} stops. Rank {rank}'s error:\n{indent(text)}"
         print(f"[ddpkit rank {self.rank}] {message}", file=sys.stderr, flush=True)
         if not self.exit_on_peer_failure:
             return
@@ -346,16 +382,13 @@ class StallMonitor:
         while not self._stop.wait(self.grace_s):
             if not self.main_thread.is_alive():
                 return
-            if self.waiting is not None:  # stuck in a collective that would only end at the timeout
-                print(f"[ddpkit rank {self.rank}] still waiting in collective #{self.waiting[0]} "
-                      f"{self.waiting[1]} ({self.waiting[2]}) for the failed rank {rank}: exiting",
-                      file=sys.stderr, flush=True)
+            self._settle()
+            stuck = self._current_wait()
+            if stuck is not None:  # stuck in a collective that would only end at the timeout
+                print(f"[ddpkit rank {self.rank}] still waiting in collective #{stuck[0]} {stuck[1]} ({stuck[2]}) "
+                      f"for the failed rank {rank}: exiting", file=sys.stderr, flush=True)
                 os._exit(1)
             # Otherwise the main thread handles the error in Python (an emergency checkpoint, say): let it.
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.rstrip().splitlines())
 
 
 def _raise_in_thread(thread: threading.Thread, kind: type[BaseException]) -> None:

@@ -91,7 +91,8 @@ class CommHookReduction(AllReduce):
         return False
 
     def start(self, bucket: Bucket, what: str) -> Any:
-        record = self.comm.note("comm_hook", what, bucket.flat.numel() * bucket.flat.element_size())
+        record = self.comm.note("comm_hook", what, bucket.flat.numel() * bucket.flat.element_size(),
+                                bucket.flat.device)
         future = self.hook(self.state, bucket.public)
         if not isinstance(future, torch._C.Future):
             raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")

@@ -128,6 +128,10 @@ class Timeline(NullRecorder):
                                 {"op": record.op, "what": record.what, "bytes": record.nbytes, "seq": record.seq,
                                  "failed": error is not None}))
 
+    def deferred(self, record: Any, completed: Any) -> None:
+        """A wait that returned before its collective completed on the device (NCCL's): not followed here; its
+        span ends at `finished`, when it was enqueued."""
+
     def close(self) -> None:
         self.flush()
 
