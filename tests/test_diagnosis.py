@@ -3,6 +3,10 @@ deadlock is certain."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+
 
 
 def test_explanations_come_within_a_minute_then_at_each_doubling():
@@ -52,3 +56,30 @@ def test_a_deadlock_is_certain_only_from_fresh_states_of_every_rank():
     assert report.startswith("rank 1 left the job early (its process exited) after collective #6 all_reduce "
                              "(logged loss): the root cause. Rank 0 waits for it in collective #7"), report
     assert left_deadlock(_state(0, 6, 6, "all_reduce", "logged loss", 3), marker) is None
+
+
+def test_a_peer_whose_process_ended_without_a_word_is_named_with_where_it_was():
+    from ddpkit import diagnosis
+
+    states = {0: {"rank": 0, "host": "h", "pid": 10, "waiting": {"seq": 7, "op": "all_reduce", "what": "loss"}},
+              1: {"rank": 1, "host": "h", "pid": 11, "waiting": None, "done_seq": 6, "done_what": "barrier (x)"},
+              2: {"rank": 2, "host": "other", "pid": 11, "waiting": None},  # another host's: not judged
+              3: None}
+    text = diagnosis.vanished(states, 0, "h", ended=lambda pid: pid == 11)
+    assert text == ("rank 1 (pid 11 on h) ended without an error and without telling the others (os._exit, a "
+                    "signal such as SIGKILL, or the out-of-memory killer), last seen after collective #6 barrier "
+                    "(x): the root cause")
+    assert diagnosis.vanished(states, 0, "h", ended=lambda pid: False) is None
+    assert diagnosis.vanished(states, 1, "h", ended=lambda pid: True).startswith(
+        "rank 0 (pid 10 on h) ended without an error") and "waiting in collective #7 all_reduce (loss)" in \
+        diagnosis.vanished(states, 1, "h", ended=lambda pid: True)
+    # The real thing: this process lives; a child that exited has ended, still a zombie (not reaped) or reaped.
+    child = subprocess.Popen(["sleep", "0.2"])
+    assert not diagnosis.process_ended(child.pid) and not diagnosis.process_ended(os.getpid())
+    deadline = time.monotonic() + 10
+    while not diagnosis.process_ended(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(f"/proc/{child.pid}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, unreaped: Popen has not waited
+    child.wait()
+    assert diagnosis.process_ended(child.pid)

@@ -273,7 +273,8 @@ def misbehaved(tmp_path_factory):
                             str(out)], timeout=150)
 
     return two_at_a_time({"eval_on_rank0": launch("eval_on_rank0"),
-                          "leave_early": launch("leave_early", "--leave_at_step", "3")})
+                          "leave_early": launch("leave_early", "--leave_at_step", "3"),
+                          "vanish": launch("vanish", "--leave_at_step", "3")})
 
 
 def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(misbehaved):
@@ -301,6 +302,14 @@ def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(misbehaved)
     assert "the root cause" in summary and "Connection reset" not in summary.split("PeerLeftError")[1][:300]
     assert "backward 3" in summary, summary  # rank 0 waited in the bucket of the step rank 1 never took
     assert result.ended - left < 30, result.ended - left
+
+
+def test_a_rank_that_os_exits_0_mid_training_is_named_as_the_root_cause(misbehaved):
+    result = misbehaved["vanish"].result()
+    assert result.rc == 1, result.err
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "PeerVanishedError: rank 1 (pid " in summary and "ended without an error" in summary, summary
+    assert "os._exit" in summary and ": the root cause. Rank 0 was in collective #" in summary, summary
 
 
 # ---------------------------------------------------------------------------------------------------------

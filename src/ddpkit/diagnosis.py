@@ -10,6 +10,8 @@ collective it issued, and how it left.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 State = dict[str, Any]
@@ -160,3 +162,38 @@ def left_early(marker: dict[str, Any]) -> str:
     """'rank 1 left the job early (...) after collective #12 all_reduce (logged loss)'."""
     after = f"after collective #{marker['seq']} {marker['what']}" if marker["seq"] else "before any collective"
     return f"rank {marker['rank']} left the job early ({marker['how']}) {after}"
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def vanished(states: dict[int, State | None], rank: int, host: str,
+             ended: Callable[[int], bool] = process_ended) -> str | None:
+    """The peers on this host whose process ended without posting an error or that it left (os._exit, a
+    signal, the out-of-memory killer), with where each was last seen; None when there is none. Another host's
+    processes cannot be looked at from here."""
+    found = []
+    for peer, state in sorted(states.items()):
+        if peer == rank or state is None or state.get("host") != host or not ended(int(state.get("pid", -1))):
+            continue
+        waiting = state.get("waiting")
+        where = (f"waiting in collective #{waiting['seq']} {waiting['op']} ({waiting['what']})" if waiting else
+                 f"after collective #{state.get('done_seq', 0)} {state.get('done_what', '')}".rstrip())
+        found.append(f"rank {peer} (pid {state.get('pid')} on {host}) ended without an error and without telling "
+                     f"the others (os._exit, a signal such as SIGKILL, or the out-of-memory killer), last seen "
+                     f"{where}: the root cause")
+    return "; ".join(found) or None

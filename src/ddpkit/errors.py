@@ -44,6 +44,13 @@ class PeerLeftError(RuntimeError):
     still needed it; the message names that rank and the last collective it took part in."""
 
 
+class PeerVanishedError(PeerLeftError):
+    """A rank's process ended without an error and without telling the others (os._exit, a signal such as
+    SIGKILL, the out-of-memory killer) while this rank still needed it; the message names it and where it was.
+    Not counted among EXPLAINING_ERRORS: a rank killed by a signal is its own root cause, and the launcher
+    names it; one that exited 0 is no failure, and this error is then the job's."""
+
+
 # The names of the errors that explain a failure rather than suffer it: the launcher's root-cause logic counts
 # a traceback that ends in one of them as the cause, even though it also quotes the peer's closed connection.
 EXPLAINING_ERRORS = ("DeadlockError", "PeerLeftError")

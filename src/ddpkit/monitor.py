@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from . import diagnosis
 from .diagnosis import default_threshold, indent
-from .errors import DeadlockError, PeerFailedError, PeerLeftError, StallError, record_unraised
+from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError, record_unraised
 from .unfinished import DeviceWait, Unfinished
 
 # How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
@@ -193,14 +193,17 @@ class StallMonitor:
         try:
             report = self.deadlock or self._posted_deadlock()
             left = {} if report else self._left_peers()
+            gone = None if report or left or self._failed_peer() else diagnosis.vanished(self._states(), self.rank,
+                                                                                         self.host)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
-            report, left = self.deadlock, {}
+            report, left, gone = self.deadlock, {}, None
         if report:
             return DeadlockError(f"{report}\n(the collective failed with: {error})")
-        if left:
-            waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
-            return PeerLeftError("; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in left.values())
-                                 + f". {waits}.\n(the collective failed with: {error})")
+        waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
+        if left or gone:
+            found = "; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in left.values()) if left else gone
+            return (PeerLeftError if left else PeerVanishedError)(f"{found}. {waits}.\n(the collective failed "
+                                                                  f"with: {error})")
         if waited < self.threshold_s and "timed out" not in str(error).lower():
             return None  # not a stall: a bad argument, or a peer that failed fast
         try:

@@ -6,9 +6,11 @@ setting is left at its default (ddp_timeout 1800 s, the inspector's default thre
     ddpkit launch --nproc-per-node 2 tests/scripts/misbehave.py --mode eval_on_rank0 --output_dir /tmp/m
     # rank 1 returns from its training step's loop and exits 0 at step 3 while rank 0 trains on
     ddpkit launch --nproc-per-node 2 tests/scripts/misbehave.py --mode leave_early --output_dir /tmp/m
+    # the same through os._exit(0): no exit handler runs, so rank 1 never says that it left
+    ddpkit launch --nproc-per-node 2 tests/scripts/misbehave.py --mode vanish --output_dir /tmp/m
 
 Prints `ENTER <rank> <unix time>` just before a rank calls what will deadlock (eval_on_rank0), and
-`LEAVING <rank> <unix time>` before rank 1 exits (leave_early).
+`LEAVING <rank> <unix time>` before rank 1 exits (leave_early, vanish).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ except (OSError, AttributeError):
     pass
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -37,7 +40,7 @@ FEATURES, CLASSES = 8, 3
 
 @dataclasses.dataclass
 class ScriptArguments:
-    mode: str = dataclasses.field(default="eval_on_rank0", metadata={"help": "eval_on_rank0 or leave_early."})
+    mode: str = dataclasses.field(default="eval_on_rank0", metadata={"help": "eval_on_rank0, leave_early or vanish."})
     leave_at_step: int = dataclasses.field(default=3, metadata={"help": "leave_early: rank 1 exits 0 here."})
 
 
@@ -59,13 +62,16 @@ def make_data(samples: int = 64) -> list[dict[str, torch.Tensor]]:
 
 
 class LeavingTrainer(Trainer):
-    def __init__(self, *a, leave_at_step: int, **kw):
+    def __init__(self, *a, leave_at_step: int, vanish: bool = False, **kw):
         super().__init__(*a, **kw)
-        self.leave_at_step = leave_at_step
+        self.leave_at_step, self.vanish = leave_at_step, vanish
 
     def training_step(self, window):
         if self.world.rank == 1 and self.state.global_step + 1 == self.leave_at_step:
             print(f"LEAVING 1 {time.time():.3f}", flush=True)
+            if self.vanish:
+                time.sleep(1.5)  # long enough for its stall inspector to have published where it is
+                os._exit(0)  # no exit handler runs: nothing tells the others that it left
             sys.exit(0)  # a clean exit in the middle of training: no error, exit code 0
         return super().training_step(window)
 
@@ -77,7 +83,8 @@ def main(argv: list[str]) -> None:
     args, script = parser.parse_args_into_dataclasses(argv)
     data = make_data()
     trainer = LeavingTrainer(MLP(), args, train_dataset=data, eval_dataset=data,
-                             leave_at_step=script.leave_at_step if script.mode == "leave_early" else 0)
+                             leave_at_step=script.leave_at_step if script.mode in ("leave_early", "vanish") else 0,
+                             vanish=script.mode == "vanish")
     trainer.train()
     rank = trainer.world.rank
     print(f"ENTER {rank} {time.time():.3f}", flush=True)
