@@ -65,6 +65,82 @@ def test_a_launch_continues_or_branches_off_the_run_it_resumes(tmp_path):
         choose_run(True, str(tmp_path / "empty"))
 
 
+def test_a_restart_takes_up_only_a_run_its_own_launch_recorded(tmp_path):
+    out = str(tmp_path)
+    (a6,) = _checkpoints(tmp_path, "a", 6)
+    runs.mark_current(out, "a", None, job="launch-1")  # an earlier launch's run
+    # launch 2's first attempt failed before recording a run: its restart starts afresh, not from a's checkpoint
+    choice = choose_run(None, out, restart=1, job="launch-2")
+    assert choice.path is None and choice.run != "a" and choice.others == (a6,)
+    assert choose_run(None, out, restart=1, job="launch-1").path == a6  # launch 1's restart: its own run
+    assert choose_run(None, out, restart=1, job=None).path == a6  # a launcher that names no launch: as before
+    assert choose_run(True, out, restart=1, job="launch-2").path == a6  # asked for the newest, it gets it
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_continued_not_branched(tmp_path):
+    out = str(tmp_path)
+    a4, a6 = _checkpoints(tmp_path, "a", 4, 6)
+    runs.mark_current(out, "a", None)
+    with open(os.path.join(a6, "model.safetensors"), "r+b") as f:
+        f.truncate(10)
+    with pytest.warns(RuntimeWarning, match="skipping the corrupt checkpoint"):
+        choice = choose_run(True, out)
+    assert choice.path == a4 and choice.run == "a" and choice.behind is None, choice
+    with open(os.path.join(a4, "model.safetensors"), "r+b") as f:
+        f.truncate(10)
+    with pytest.warns(RuntimeWarning), pytest.raises(ArgumentError, match="each of its 2 checkpoint.s. is corrupt"):
+        choose_run(True, out)
+
+
+def test_the_best_checkpoint_renamed_aside_by_a_later_run_is_found_by_its_own(tmp_path):
+    from types import SimpleNamespace
+
+    from ddpkit.saves import Saves
+
+    out = str(tmp_path)
+    (b4,) = _checkpoints(tmp_path, "b", 4)
+    os.rename(b4, f"{b4}.run-a")  # what run b's save did to run a's checkpoint-4
+    _checkpoints(tmp_path, "b", 4)
+    saves = Saves(SimpleNamespace(output_dir=out, save_total_limit=None), None, None)
+    saves.run = "a"
+    assert saves.own(b4) == f"{b4}.run-a"
+    saves.run = "b"
+    assert saves.own(b4) == b4
+    saves.run = None  # a Saves told of no run: paths as they are
+    assert saves.own(b4) == b4
+
+
+def rank_0_cannot_choose(world, out):
+    """What every rank raises when rank 0 meets an error choosing (before ddpkit, rank 1 waited for the
+    broadcast until the timeout when rank 0 raised and lived on)."""
+    import errno
+    import time
+
+    from ddpkit.comm import Comm
+    from ddpkit.resume import begin_run
+
+    told = {}
+    os.makedirs(f"{out}/not-a-checkpoint", exist_ok=True)
+    for case, resume in (("not a checkpoint", f"{out}/not-a-checkpoint"), ("full disk", None)):
+        if case == "full disk" and world.rank == 0:
+            runs.mark_current = lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left"))
+        began = time.monotonic()
+        try:
+            begin_run(resume, f"{out}/out", world, Comm.for_group())
+            told[case] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the type and the words are the result
+            told[case] = (type(exc).__name__, str(exc), time.monotonic() - began)
+    return told
+
+
+def test_every_rank_raises_what_rank_0_met_choosing_the_checkpoint(tmp_path):
+    for told in run_world(rank_0_cannot_choose, 2, args=(str(tmp_path),), deadline_s=60, collective_timeout_s=20):
+        kind, text, took = told["not a checkpoint"]
+        assert kind == "FileNotFoundError" and "is not a finished checkpoint folder" in text and took < 10, told
+        kind, text, took = told["full disk"]
+        assert kind == "OSError" and "no space left on device" in text and took < 10, told
+
+
 def test_rotation_and_a_same_step_save_keep_other_runs_checkpoints(tmp_path):
     out = str(tmp_path)
     a4, a6 = _checkpoints(tmp_path, "a", 4, 6)
@@ -95,11 +171,11 @@ class Steps(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def _train(out, max_steps, restart=0, **kw):
+def _train(out, max_steps, restart=0, save_steps=2, **kw):
     torch.manual_seed(0)
     model = Classifier().double()
-    args = trainer_args(out, per_device_train_batch_size=2, max_steps=max_steps, save_strategy="steps", save_steps=2,
-                        save_total_limit=2, **kw)
+    args = trainer_args(out, per_device_train_batch_size=2, max_steps=max_steps, save_strategy="steps",
+                        save_steps=save_steps, save_total_limit=2, **kw)
     trainer = Steps(model, args, classification_data(24))
     trainer.steps = []
     if restart:  # what the launcher's TORCHELASTIC_RESTART_COUNT tells a restarted worker
@@ -112,9 +188,12 @@ def _train(out, max_steps, restart=0, **kw):
 
 def two_runs_in_one_folder(world, out):
     first = _train(out, max_steps=6)  # run a: checkpoint-4 and -6 kept
-    second = _train(out, max_steps=2)  # run b, afresh in the same folder: checkpoint-2, then it "fails"
-    restarted = _train(out, max_steps=4, restart=1)  # b's restart: must take up b's checkpoint-2, not a's -6
-    straight = _train(f"{out}-straight", max_steps=4)  # b uninterrupted, for the weights
+    # run b, afresh in the same folder: checkpoint-3, and its final save at step 4, where run a has one too
+    second = _train(out, max_steps=4, save_steps=3)
+    # b's restart, asking for 6 steps: it must take up b's checkpoint-4, not a's -6 (nor b's -3, had its final
+    # save been skipped for a's checkpoint-4)
+    restarted = _train(out, max_steps=6, restart=1, save_steps=3)
+    straight = _train(f"{out}-straight", max_steps=6, save_steps=3)  # b uninterrupted, for the weights
     return first, second, restarted, straight, sorted(os.listdir(out))
 
 
@@ -122,18 +201,18 @@ def test_a_second_run_in_the_same_output_dir_loses_nothing_and_resumes_its_own(t
     out = str(tmp_path / "out")
     results = run_world(two_runs_in_one_folder, 2, args=(out,), deadline_s=150)
     for first, second, restarted, straight, names in results:
-        assert first[0][-1] == 6 and second[0] == [1, 2]
-        assert restarted[0] == [3, 4], "the restart did not continue its own run from checkpoint-2"
+        assert first[0][-1] == 6 and second[0][-1] == 4
+        assert restarted[0] == [5, 6], "the restart did not continue its own run from its checkpoint-4"
         for got, want in zip(restarted[1], straight[1]):
             np.testing.assert_array_equal(got, want)
     warned = results[0][1][2]  # rank 0 says what happens to run a's checkpoints when run b starts
     assert any("checkpoint(s) of an earlier run" in w and "checkpoint-6" in w for w in warned), warned
-    # a's checkpoint-6 untouched, a's checkpoint-4 renamed aside by b's save of step 4, b's own two kept
+    # b's checkpoint-4 and -6 (its -3 rotated away), a's checkpoint-4 and -6 renamed aside by b's saves of those
     names = [n for n in results[0][4] if n.startswith("checkpoint")]
-    assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-4.run-" + _run_of(out, "checkpoint-6"),
-                     "checkpoint-6"], names
-    assert _run_of(out, "checkpoint-2") == _run_of(out, "checkpoint-4") == runs.current_run(out)
-    assert _run_of(out, "checkpoint-6") != runs.current_run(out)
+    a = names[1].split(".run-")[-1]
+    assert names == ["checkpoint-4", f"checkpoint-4.run-{a}", "checkpoint-6", f"checkpoint-6.run-{a}"], names
+    assert _run_of(out, "checkpoint-4") == _run_of(out, "checkpoint-6") == runs.current_run(out) != a
+    assert _run_of(out, f"checkpoint-4.run-{a}") == _run_of(out, f"checkpoint-6.run-{a}") == a
 
 
 def _run_of(out, name):

@@ -53,6 +53,7 @@ class LaunchInfo:
     agent_store: bool = False  # torchrun's agent owns MASTER_PORT: connect through env://, never bind it
     restart: int = 0  # how often torchelastic restarted the workers (TORCHELASTIC_RESTART_COUNT)
     elastic: bool = False  # started by torchelastic's agent (ddpkit launch, torchrun): the parent is the launcher
+    job: str | None = None  # the launch, the same in all its restarts (TORCHELASTIC_RUN_ID); None: not told
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -84,6 +85,7 @@ class DistEnv:
     timeout: datetime.timedelta
     launcher: str = "none"
     restart: int = 0  # how often torchelastic restarted this job's workers (0 on the first attempt)
+    job: str | None = None  # the launch these workers belong to, the same in every restart (None: unknown)
 
     @property
     def is_main(self) -> bool:
@@ -140,6 +142,9 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             restart=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
             elastic=bool(env.get("TORCHELASTIC_RUN_ID")),
+            # A launch's own id: ddpkit launch and torchrun --standalone draw one; "none" is torchrun's default
+            # --rdzv-id, shared by every job that keeps it, so it tells nothing.
+            job=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
@@ -321,7 +326,7 @@ def init_process_group(
             local = device.index if device.index is not None else dist.get_rank()
             local_size = dist.get_world_size()
         return DistEnv(dist.get_rank(), local, dist.get_world_size(), local_size, device, dist.get_backend(),
-                       timeout, info.launcher, info.restart)
+                       timeout, info.launcher, info.restart, info.job)
     backend = backend or backend_for_device(device_type)
     check_backend(backend)
     device = _pin_device(device_type, info.local_rank)
@@ -336,7 +341,7 @@ def init_process_group(
         store.set_timeout(timeout)
         dist.init_process_group(store=store, rank=info.rank, world_size=info.world_size, **kwargs)
     return DistEnv(info.rank, info.local_rank, info.world_size, info.local_world_size, device, backend, timeout,
-                   info.launcher, info.restart)
+                   info.launcher, info.restart, info.job)
 
 
 def timeline_request(environ: Mapping[str, str] | None = None) -> tuple[str, tuple[int, int]] | None:

@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from, which checkpoints rotation must keep for it, and the run's claim on its folder.
 
     lock = claim_output_dir(output_dir, comm, world.is_main)            # one run at a time; debris swept
-    choice = begin_run(resume, output_dir, world.restart, comm, world.is_main)   # .path None: start afresh
+    choice = begin_run(resume, output_dir, world, comm)       # .path None: start afresh; .run: this run's id
     keep = protected_checkpoints(args.resume_from_checkpoint)            # for save_checkpoint(keep=...)
     trainer_state, sampler_state = restore(choice.path, model=m, optimizer=opt, scheduler=sched, world=world)
 
@@ -27,6 +27,7 @@ from typing import Any
 from . import checkpoint, runs
 from .args import ArgumentError
 from .comm import Comm, decided_by_main
+from .integrity import problems, write_failure
 from .lock import OutputDirLock
 
 
@@ -60,29 +61,34 @@ class RunChoice:
     behind: str | None = None
 
 
-def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0) -> RunChoice:
-    """The checkpoint and the run of a launch (see the module's docstring)."""
-    current = runs.current_run(output_dir)
-    if restart > 0:
-        latest = checkpoint.find_latest_checkpoint(output_dir, current)  # no run file: any run's, as before runs
+def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job: str | None = None) -> RunChoice:
+    """The checkpoint and the run of a launch (see the module's docstring). job: the launch's id (DistEnv.job),
+    which tells a restart's own run from an earlier launch's."""
+    own = runs.current_run(output_dir, job) if restart > 0 else None
+    if restart > 0 and (own is not None or job is None):  # else this launch never recorded a run: as a first try
+        latest = checkpoint.find_latest_checkpoint(output_dir, own)  # no run file: any run's, as before runs
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
         named_step = checkpoint.folder_step(named) if named is not None else None
         path = latest if latest is not None and (named_step is None or checkpoint.checkpoint_step(latest) >
                                                  named_step) else None
-        path = path or _asked(resume, output_dir, current)
-        run = current or (checkpoint.checkpoint_run(path) if path else None) or runs.new_run_id()
+        path = path or _asked(resume, output_dir, own)
+        run = own or (checkpoint.checkpoint_run(path) if path else None) or runs.new_run_id()
         return RunChoice(path, run, _others(output_dir, run))
-    path = _asked(resume, output_dir, current)
+    path = _asked(resume, output_dir, runs.current_run(output_dir))
     run = checkpoint.checkpoint_run(path) if path else None
-    behind = None
-    if run is not None:  # a checkpoint of the same run past the one resumed from: this launch is a branch
-        step = checkpoint.folder_step(path)
-        later = [p for p in checkpoint.list_checkpoints(output_dir, run) if (checkpoint.checkpoint_step(p) or 0) >
-                 (step if step is not None else float("inf"))]
-        if later:
-            behind, run = later[-1], None
+    behind = _newer_of_run(output_dir, run, path) if run is not None else None
+    run = None if behind else run  # past a newer checkpoint of its run: this launch is a branch, a run of its own
     run = run or runs.new_run_id()
     return RunChoice(path, run, _others(output_dir, run), behind)
+
+
+def _newer_of_run(output_dir: str, run: str, path: str) -> str | None:
+    """The newest whole checkpoint of `run` in output_dir past `path`'s step (a corrupt one is no newer state to
+    branch from: resuming before it continues the run), or None."""
+    step = checkpoint.folder_step(path)
+    later = [p for p in checkpoint.list_checkpoints(output_dir, run)
+             if (checkpoint.checkpoint_step(p) or 0) > (step if step is not None else float("inf"))]
+    return next((p for p in reversed(later) if not problems(p)), None)
 
 
 def _asked(resume: str | bool | None, output_dir: str, current: str | None) -> str | None:
@@ -94,7 +100,10 @@ def _asked(resume: str | bool | None, output_dir: str, current: str | None) -> s
         own = current is not None and checkpoint.list_checkpoints(output_dir, current)
         path = checkpoint.find_latest_checkpoint(output_dir, current if own else None)
         if path is None:
-            raise ArgumentError("resume_from_checkpoint", f"no checkpoint found in {output_dir}")
+            raise ArgumentError("resume_from_checkpoint", f"no checkpoint found in {output_dir}" if not own else
+                                f"no whole checkpoint of the run that last started in {output_dir}: each of its "
+                                f"{len(own)} checkpoint(s) is corrupt (the warnings above say how); name one of "
+                                "another run to resume from it")
         return path
     return str(resume)
 
@@ -108,23 +117,42 @@ def choose_checkpoint(resume: str | bool | None, output_dir: str, restart: int =
     return choose_run(resume, output_dir, restart).path
 
 
-def begin_run(resume: str | bool | None, output_dir: str, restart: int, comm: Comm, is_main: bool) -> RunChoice:
+def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm) -> RunChoice:
     """choose_run on rank 0, which records the run as output_dir's current one (it holds the lock) and says
-    what happens to other runs' checkpoints; the same choice on every rank, or the same ArgumentError."""
+    what happens to other runs' checkpoints; the same choice on every rank, or the same error: every rank
+    reaches the broadcast, whatever rank 0 met (a full disk writing the run file, a folder that is no checkpoint)."""
     outcome: Any = None
-    if is_main:
+    if world.is_main:
+        # The launch's first choice: its first attempt, or a restart of one that failed before choosing.
+        first = world.restart == 0 or (world.job is not None and runs.current_run(output_dir, world.job) is None)
         try:
-            choice = choose_run(resume, output_dir, restart)
-            runs.mark_current(output_dir, choice.run, choice.path)
-            outcome = choice
-        except ArgumentError as exc:
-            outcome = (exc.field, str(exc).split(": ", 1)[-1])
-        if isinstance(outcome, RunChoice) and restart == 0:
-            _warn_about_others(outcome, output_dir)
-    outcome = decided_by_main(comm, outcome, "resume: which checkpoint and run")
-    if not isinstance(outcome, RunChoice):
-        raise ArgumentError(*outcome)
-    return outcome
+            outcome = choose_run(resume, output_dir, world.restart, world.job)
+            if outcome.path is not None and checkpoint.folder_step(outcome.path) is None:
+                raise FileNotFoundError(f"{outcome.path} is not a finished checkpoint folder ({checkpoint.PREFIX}-"
+                                        "<step> holding its completion marker); resume from another one")
+            runs.mark_current(output_dir, outcome.run, outcome.path, world.job)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it alike, below
+            outcome = exc
+    shared = decided_by_main(comm, _shareable(outcome, output_dir), "resume: which checkpoint and run")
+    if not isinstance(shared, RunChoice):
+        kind, args = shared
+        if world.is_main:
+            raise kind(*args) from outcome
+        raise kind(*args)
+    if world.is_main and first:
+        _warn_about_others(shared, output_dir)
+    return shared
+
+
+def _shareable(outcome: Any, output_dir: str) -> Any:
+    """What rank 0 tells the others: its choice, or its error as (type, arguments) that every rank raises."""
+    if not isinstance(outcome, BaseException):
+        return outcome
+    if isinstance(outcome, ArgumentError):
+        return ArgumentError, (outcome.field, str(outcome).split(": ", 1)[-1])
+    plain = (OSError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError)  # made from one message
+    kind = type(outcome) if type(outcome) in plain else RuntimeError
+    return kind, (f"rank 0 could not choose the checkpoint to resume from: {write_failure(outcome, output_dir)}",)
 
 
 def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
@@ -134,8 +162,8 @@ def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
                       "and rotation never deletes them; where this run saves a step they also have, theirs is "
                       "renamed checkpoint-<step>.run-<id>", RuntimeWarning, stacklevel=3)
     elif choice.others and choice.path is None:
-        names = ", ".join(os.path.basename(p) for p in choice.others[-3:])
-        warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of an earlier run (newest: {names}); "
+        names = ", ".join(os.path.basename(p) for p in reversed(choice.others[-3:]))
+        warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of an earlier run (the newest: {names}); "
                       "this run starts afresh and keeps them: a restart of this run never resumes from them and "
                       "rotation never deletes them; where this run saves a step they also have, theirs is renamed "
                       f"checkpoint-<step>.run-<id>. To continue that run instead, pass resume_from_checkpoint="

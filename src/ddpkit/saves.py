@@ -33,10 +33,21 @@ class Saves:
         return os.path.join(self.output_dir, f"{checkpoint.PREFIX}-{step}")
 
     def exists(self, step: int) -> bool:
-        """Whether checkpoint-<step> is written, as rank 0 sees it: every rank must take the same decision,
-        also on nodes that do not share a file system (saving is a collective)."""
-        here = os.path.isdir(self.folder(step)) if self.world.is_main else None
+        """Whether this run wrote checkpoint-<step>, as rank 0 sees it: every rank must take the same decision,
+        also on nodes that do not share a file system (saving is a collective). Another run's checkpoint of that
+        step is none of this run's: a save then renames it aside (checkpoint.py)."""
+        here = self._ours(self.folder(step)) if self.world.is_main else None
         return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
+
+    def _ours(self, folder: str) -> bool:
+        return os.path.isdir(folder) and (self.run is None or checkpoint.checkpoint_run(folder) == self.run)
+
+    def own(self, path: str) -> str:
+        """Where this run's checkpoint saved as `path` is now: `path`, or, once a later run's save of the same
+        step renamed it aside, ``<path>.run-<this run>`` (rank 0's view; the best checkpoint's path in
+        trainer_state.json goes through it)."""
+        aside = f"{os.path.normpath(path)}.run-{self.run}"
+        return aside if self.run is not None and not self._ours(path) and os.path.isdir(aside) else path
 
     def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
              scaler: Any = None) -> str:

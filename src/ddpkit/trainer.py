@@ -185,7 +185,7 @@ class Trainer(EvaluationMixin):
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        choice = resume.begin_run(asked, self.args.output_dir, self.world.restart, self.comm, self.world.is_main)
+        choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm)
         resume_path, self.saves.run = choice.path, choice.run
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         sampler = self.get_train_sampler()
@@ -196,7 +196,7 @@ class Trainer(EvaluationMixin):
         sampler_state = self._resume(resume_path) if resume_path else None
         if sampler_state is not None:  # now, not at the loop's first epoch: a run that steps no more saves it too
             sampler.load_state_dict(sampler_state)
-        self.reporter.open(self.state.log_history)
+        self.reporter.open(self.state.log_history, continues=resume_path is not None and choice.behind is None)
         bar = self.reporter.progress_bar(self.state.max_steps, self.state.global_step, bool(self.args.disable_tqdm))
         run = Progress(bar)
         self._agreement.start(self.callback_handler)
@@ -230,6 +230,8 @@ class Trainer(EvaluationMixin):
         self.state.global_step = trainer_state["global_step"]
         for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
+        if self.state.best_model_checkpoint:  # renamed aside by a later run's save of its step, perhaps
+            self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
         if self.args.restore_callback_states_from_checkpoint:
             self.callback_handler.restore_states(trainer_state.get("stateful_callbacks", {}))
         self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
