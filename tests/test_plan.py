@@ -61,10 +61,20 @@ def test_a_resumed_run_asking_for_other_epochs_replans_the_epochs_left():
     assert plan_steps(batches_per_epoch=40, **{**BASE, "num_train_epochs": 1}, resumed=saved).max_steps == 30
     by_steps = SavedPlan(global_step=30, epoch=1.5, max_steps=45, world_size=2, asked=(45, 3))
     assert plan_steps(batches_per_epoch=40, **BASE, resumed=by_steps).max_steps == 60  # now by epochs: 3 of them
-    # An epoch fraction saved as a float (a third of 15 steps; (1 - 1/3) * 15 is 10.000000000000002) must not
-    # plan one step too many.
-    third = SavedPlan(global_step=5, epoch=1 / 3, max_steps=30, world_size=2, asked=(-1, 2))
+    # Planned from the first step, not from the saved epoch fraction: with dataloader_drop_last the fraction
+    # stops short of a whole epoch (0.96 after the 12 steps of the first), and 1.04 epochs left would be 13.
+    dropped = SavedPlan(global_step=12, epoch=0.96, max_steps=12, world_size=2, asked=(-1, 1))
+    assert plan_steps(batches_per_epoch=24, **{**BASE, "num_train_epochs": 2}, resumed=dropped).max_steps == 24
+    # Another step size (here another world size): from the fraction left, and an epoch fraction saved as a float
+    # (a third of 15 steps; (1 - 1/3) * 15 is 10.000000000000002) must not plan one step too many.
+    third = SavedPlan(global_step=5, epoch=1 / 3, max_steps=30, world_size=4, asked=(-1, 1))
     assert plan_steps(batches_per_epoch=30, **{**BASE, "num_train_epochs": 1}, resumed=third).max_steps == 15
+    # The same world size but another global batch (per-device batch or accumulation changed): re-planned too.
+    halved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2, asked=(-1, 3), train_batch_size=64)
+    assert plan_steps(batches_per_epoch=80, **BASE, resumed=halved).max_steps == 30 + 60  # 1.5 epochs of 40
+    assert plan_steps(batches_per_epoch=40, **BASE, resumed=halved._replace(train_batch_size=32)).max_steps == 60
+    # max_steps 0 and -1 both mean "unset": the same arguments
+    assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 0}, resumed=saved).max_steps == 60
 
 
 def test_max_steps_wins_over_a_resumed_plan():
@@ -81,7 +91,7 @@ def test_saved_plan_reads_trainer_state_with_its_defaults():
     assert SavedPlan.from_state({"global_step": 4, "epoch": 0.5, "max_steps": 9, "world_size": 2,
                                  "log_history": []}) == SavedPlan(4, 0.5, 9, 2)
     assert SavedPlan.from_state({"global_step": 4}) == SavedPlan(4, 0.0, 0, 1)
-    assert SavedPlan.from_state({"plan_arguments": {"max_steps": -1, "num_train_epochs": 2.5}}).asked == (-1, 2.5)
+    assert SavedPlan.from_state({"plan_arguments": {"max_steps": 0, "num_train_epochs": 2.5}}).asked == (-1, 2.5)
 
 
 def test_plan_for_reads_the_training_arguments(tmp_path):

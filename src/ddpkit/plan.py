@@ -26,6 +26,7 @@ class SavedPlan(NamedTuple):
     max_steps: int
     world_size: int
     asked: tuple[int, float] | None = None  # (max_steps, num_train_epochs) the plan was made from; None: unknown
+    train_batch_size: int = 0  # global samples per optimizer step; 0: unknown (the world size stands in)
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> SavedPlan:
@@ -33,7 +34,13 @@ class SavedPlan(NamedTuple):
         asked = state.get("plan_arguments")
         return cls(state.get("global_step", 0), state.get("epoch", 0.0), state.get("max_steps", 0),
                    state.get("world_size", 1),
-                   None if not asked else (asked.get("max_steps"), asked.get("num_train_epochs")))
+                   None if not asked else _asked(asked.get("max_steps", -1), asked.get("num_train_epochs", 0)),
+                   state.get("train_batch_size", 0))
+
+
+def _asked(max_steps: int, num_train_epochs: float) -> tuple[int, float]:
+    """The arguments a plan is made from, as compared: every max_steps <= 0 means "unset"."""
+    return (max_steps if max_steps > 0 else -1, float(num_train_epochs))
 
 
 class StepPlan(NamedTuple):
@@ -51,22 +58,34 @@ def interval(value: float, total_steps: int) -> int:
 
 
 def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, world_size: int,
-                resumed: SavedPlan | None = None) -> int:
+                resumed: SavedPlan | None = None, train_batch_size: int = 0) -> int:
     """max_steps when it is set (> 0), else the steps num_train_epochs take, given the run resumed from."""
     if max_steps > 0:
         return max_steps
-    same = resumed is not None and resumed.asked in (None, (max_steps, num_train_epochs))
-    if same and resumed.max_steps and resumed.world_size == world_size:
+    if resumed is None:
+        return math.ceil(num_train_epochs * steps_per_epoch)
+    # A step covers as many samples as the saved run's did: the same global batch (or, for a state that does not
+    # say, the same world size).
+    same_step = (resumed.train_batch_size == train_batch_size if resumed.train_batch_size and train_batch_size
+                 else resumed.world_size == world_size)
+    if same_step and resumed.max_steps and resumed.asked in (None, _asked(max_steps, num_train_epochs)):
         # The saved total, not one computed again: a run resumed earlier on another world size re-planned it.
         return resumed.max_steps  # the same plan, so the resumed run is the uninterrupted one
-    if resumed is not None:
-        # Another world size (a step covers another number of samples), or other arguments (more epochs asked
-        # for, or epochs where the run was planned by max_steps): the steps left are re-planned from the epochs
-        # left; the learning-rate schedule is stretched or shrunk to the new total. round(): an epoch fraction
-        # saved as a float must not turn 10 steps into 11 ((1 - 1/3) * 15 is 10.000000000000002).
-        left = max(0.0, num_train_epochs - resumed.epoch)
-        return resumed.global_step + math.ceil(round(left * steps_per_epoch, 6))
-    return math.ceil(num_train_epochs * steps_per_epoch)
+    if same_step and resumed.asked is not None and resumed.max_steps == _planned(resumed.asked, steps_per_epoch):
+        # Other arguments (more epochs, or epochs where max_steps planned it) on a plan made from the first step
+        # with these steps per epoch: planned from the first step again. (Not from the saved epoch fraction,
+        # which never reaches a whole epoch when dataloader_drop_last drops the tail.)
+        return max(resumed.global_step, math.ceil(num_train_epochs * steps_per_epoch))
+    # Another step size, or a plan an earlier resume on another world size made: the steps left are re-planned
+    # from the epochs left; the learning-rate schedule is stretched or shrunk to the new total. round(): an
+    # epoch fraction saved as a float must not turn 10 steps into 11 ((1 - 1/3) * 15 is 10.000000000000002).
+    left = max(0.0, num_train_epochs - resumed.epoch)
+    return resumed.global_step + math.ceil(round(left * steps_per_epoch, 6))
+
+
+def _planned(asked: tuple[int, float], steps_per_epoch: int) -> int:
+    """The total a plan from the first step makes of these arguments, with these steps per epoch."""
+    return asked[0] if asked[0] > 0 else math.ceil(asked[1] * steps_per_epoch)
 
 
 def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batch_size: int,
@@ -77,11 +96,11 @@ def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batc
     steps_per_epoch = math.ceil(batches_per_epoch / gradient_accumulation_steps)
     if steps_per_epoch == 0:
         raise ValueError("the training data gives no batch on any rank")
-    steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed)
+    batch = per_device_train_batch_size * world_size * gradient_accumulation_steps
+    steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed, batch)
     return StepPlan(max_steps=steps, num_train_epochs=math.ceil(steps / steps_per_epoch),
                     logging_steps=interval(logging_steps, steps), eval_steps=interval(eval_steps, steps),
-                    save_steps=interval(save_steps, steps),
-                    train_batch_size=per_device_train_batch_size * world_size * gradient_accumulation_steps)
+                    save_steps=interval(save_steps, steps), train_batch_size=batch)
 
 
 def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None) -> StepPlan:
