@@ -110,7 +110,7 @@ def test_metrics_jsonl_reads_as_the_runs_log_after_a_resume_and_keeps_other_runs
     with open(path, "a", encoding="utf-8") as f:
         f.write('{"loss": 0.1, "ep')  # a line cut short by a kill
     # Resumed from step 3 of that run: its file must hold steps 1-3 only, the resume logging 4-6 again.
-    Reporter(out, [], is_main=True).open(steps[:3])
+    Reporter(out, [], is_main=True).open(steps[:3], continues=True)
     with open(path, encoding="utf-8") as f:
         assert [json.loads(line) for line in f] == steps[:3]
     assert os.listdir(out) == [METRICS_FILE]
@@ -121,5 +121,11 @@ def test_metrics_jsonl_reads_as_the_runs_log_after_a_resume_and_keeps_other_runs
         assert [json.loads(line) for line in f] == steps[:3]
     Reporter(out, [], is_main=True).open([{"loss": 9.0, "epoch": 0.1, "step": 1}])
     assert sorted(os.listdir(out)) == [METRICS_FILE, f"{METRICS_FILE}.1"]  # the empty file went unkept
+    # A branch off an older point of the run (not continuing it): the file it leaves is kept whole too.
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"loss": 8.0, "step": 2}) + "\n")
+    Reporter(out, [], is_main=True).open([{"loss": 9.0, "epoch": 0.1, "step": 1}], continues=False)
+    with open(f"{path}.2", encoding="utf-8") as f:
+        assert len(f.readlines()) == 2
     Reporter(out, [], is_main=False).open([])  # other ranks touch nothing
     assert os.path.getsize(path) > 0

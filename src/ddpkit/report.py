@@ -37,13 +37,14 @@ class Reporter:
         self._tb_writer = None
         self._bar: _NoBar | _TerminalBar | _LineBar = _NoBar()
 
-    def open(self, log_history: list[dict[str, Any]] | None = None) -> None:
-        """Start metrics.jsonl as the run's log so far (`log_history`: a resumed checkpoint's, or none), and the
-        integrations report_to asks for (a missing one warns: metrics.jsonl still gets it all)."""
+    def open(self, log_history: list[dict[str, Any]] | None = None, continues: bool = False) -> None:
+        """Start metrics.jsonl as the run's log so far (`log_history`: a resumed checkpoint's, or none;
+        `continues`: this launch takes up the run that file may be the log of, not a branch off an older point
+        of it), and the integrations report_to asks for (a missing one warns: metrics.jsonl still gets it all)."""
         if not self.is_main:
             return
         if log_history is not None:
-            self._start_metrics(log_history)
+            self._start_metrics(log_history, continues)
         if "tensorboard" not in self.reporters or self._tb_writer is not None:
             return
         try:
@@ -54,22 +55,25 @@ class Reporter:
             return
         self._tb_writer = SummaryWriter(log_dir=os.path.join(self.output_dir, "runs"))
 
-    def _start_metrics(self, history: list[dict[str, Any]]) -> None:
+    def _start_metrics(self, history: list[dict[str, Any]], continues: bool) -> None:
         """metrics.jsonl holds exactly `history` from now on, so that a resumed run's file reads as the
-        uninterrupted run's. A file there that begins with `history` was this run's: its lines past the checkpoint
-        are the steps the resume trains again (bitwise the same losses) and go. Any other (an earlier run's, a
-        fresh start's predecessor) is kept, renamed metrics.jsonl.<n>."""
+        uninterrupted run's. A file there that begins with `history`, of the run this launch continues, was this
+        run's: its lines past the checkpoint are the steps the resume trains again (bitwise the same losses) and
+        go. Any other (an earlier run's, a fresh start's predecessor, the run a branch leaves) is kept, renamed
+        metrics.jsonl.<n>."""
         path = os.path.join(self.output_dir, METRICS_FILE)
         old = _read_entries(path)
         if old is None and not history:
             return
-        if old and not (history and old[:len(history)] == history):
+        if old and not (continues and history and old[:len(history)] == history):
             aside = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.exists(f"{path}.{n}"))
             os.replace(path, aside)
         os.makedirs(self.output_dir, exist_ok=True)
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(entry) + "\n" for entry in history)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def write(self, entry: dict[str, Any]) -> None:
