@@ -61,18 +61,23 @@ def test_a_deadlock_is_certain_only_from_fresh_states_of_every_rank():
 def test_a_peer_whose_process_ended_without_a_word_is_named_with_where_it_was():
     from ddpkit import diagnosis
 
-    states = {0: {"rank": 0, "host": "h", "pid": 10, "waiting": {"seq": 7, "op": "all_reduce", "what": "loss"}},
-              1: {"rank": 1, "host": "h", "pid": 11, "waiting": None, "done_seq": 6, "done_what": "barrier (x)"},
-              2: {"rank": 2, "host": "other", "pid": 11, "waiting": None},  # another host's: not judged
-              3: None}
-    text = diagnosis.vanished(states, 0, "h", ended=lambda pid: pid == 11)
+    here = {"host": "h", "procs": "boot/pid:[1]"}
+    states = {0: {"rank": 0, **here, "pid": 10, "waiting": {"seq": 7, "op": "all_reduce", "what": "loss"}},
+              1: {"rank": 1, **here, "pid": 11, "waiting": None, "done_seq": 6, "done_what": "barrier (x)"},
+              # another host's, or a container's on this host (its own pid namespace): their pids mean nothing here
+              2: {"rank": 2, "host": "other", "procs": "boot2/pid:[1]", "pid": 11, "waiting": None},
+              3: {"rank": 3, "host": "h", "procs": "boot/pid:[2]", "pid": 11, "waiting": None},
+              4: None}
+    text = diagnosis.vanished(states, 0, "boot/pid:[1]", ended=lambda pid: pid == 11)
     assert text == ("rank 1 (pid 11 on h) ended without an error and without telling the others (os._exit, a "
                     "signal such as SIGKILL, or the out-of-memory killer), last seen after collective #6 barrier "
                     "(x): the root cause")
-    assert diagnosis.vanished(states, 0, "h", ended=lambda pid: False) is None
-    assert diagnosis.vanished(states, 1, "h", ended=lambda pid: True).startswith(
-        "rank 0 (pid 10 on h) ended without an error") and "waiting in collective #7 all_reduce (loss)" in \
-        diagnosis.vanished(states, 1, "h", ended=lambda pid: True)
+    assert diagnosis.vanished(states, 0, "boot/pid:[1]", ended=lambda pid: False) is None
+    assert diagnosis.vanished(states, 0, None, ended=lambda pid: True) is None  # no /proc: nothing is judged
+    gone = diagnosis.vanished(states, 1, "boot/pid:[1]", ended=lambda pid: True)
+    assert gone.startswith("rank 0 (pid 10 on h) ended without an error") and "#7 all_reduce (loss)" in gone
+    assert "rank 2" not in gone and "rank 3" not in gone
+    assert diagnosis.process_space().startswith(open("/proc/sys/kernel/random/boot_id").read().strip())
     # The real thing: this process lives; a child that exited has ended, still a zombie (not reaped) or reaped.
     child = subprocess.Popen(["sleep", "0.2"])
     assert not diagnosis.process_ended(child.pid) and not diagnosis.process_ended(os.getpid())

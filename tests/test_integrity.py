@@ -66,3 +66,11 @@ def test_a_same_size_corruption_fails_its_checksum_and_older_markers_still_load(
     ckpt.write_json(os.path.join(good, integrity.MARKER_FILE), partial)
     assert integrity.problems(good) == [
         "checkpoint_complete.json cannot be read (format 2 without a checksum for every file)"]
+
+
+def test_a_quota_or_a_full_disk_in_the_writers_own_words_is_named(tmp_path):
+    from ddpkit.integrity import write_failure
+
+    for words in ("Disk quota exceeded (os error 122)", "No space left on device (os error 28)"):
+        assert write_failure(RuntimeError(words), str(tmp_path)).startswith("no space left on device: "), words
+    assert write_failure(RuntimeError("something else"), str(tmp_path)) == "RuntimeError: something else"

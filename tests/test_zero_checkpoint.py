@@ -317,7 +317,7 @@ def _corrupt_shard(world, folder, comm):
 def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_path):
     folder = str(tmp_path)
     full = (f"could not write checkpoint {folder}/checkpoint-{{}}: no space left on device: the file system of "
-            f"{folder} is full. The older checkpoints were kept")
+            f"{folder} is full (or the disk quota there is used up). The older checkpoints were kept")
     for told in run_world(failing_and_corrupt_saves, 2, args=(folder,), deadline_s=120):
         assert told["first"] is None and told["fifth"] is None, told
         assert told["rank 0's files"].startswith("rank 0 " + full.format(2)), told["rank 0's files"]

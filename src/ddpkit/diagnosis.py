@@ -10,6 +10,7 @@ collective it issued, and how it left.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -181,19 +182,32 @@ def process_ended(pid: int) -> bool:
         return False
 
 
-def vanished(states: dict[int, State | None], rank: int, host: str,
+@functools.cache
+def process_space() -> str | None:
+    """This machine's boot and this process's pid namespace: the processes whose pids this one can look up
+    (containers that share a host name may not share it). None where /proc does not tell."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def vanished(states: dict[int, State | None], rank: int, space: str | None,
              ended: Callable[[int], bool] = process_ended) -> str | None:
-    """The peers on this host whose process ended without posting an error or that it left (os._exit, a
-    signal, the out-of-memory killer), with where each was last seen; None when there is none. Another host's
-    processes cannot be looked at from here."""
+    """The peers in this process space (`process_space`, published in each state as "procs") whose process
+    ended without posting an error or that it left (os._exit, a signal, the out-of-memory killer), with where
+    each was last seen; None when there is none. Another host's processes cannot be looked at from here."""
     found = []
     for peer, state in sorted(states.items()):
-        if peer == rank or state is None or state.get("host") != host or not ended(int(state.get("pid", -1))):
+        if peer == rank or state is None or space is None or state.get("procs") != space:
+            continue
+        if not ended(int(state.get("pid", -1))):
             continue
         waiting = state.get("waiting")
         where = (f"waiting in collective #{waiting['seq']} {waiting['op']} ({waiting['what']})" if waiting else
                  f"after collective #{state.get('done_seq', 0)} {state.get('done_what', '')}".rstrip())
-        found.append(f"rank {peer} (pid {state.get('pid')} on {host}) ended without an error and without telling "
-                     f"the others (os._exit, a signal such as SIGKILL, or the out-of-memory killer), last seen "
-                     f"{where}: the root cause")
+        found.append(f"rank {peer} (pid {state.get('pid')} on {state.get('host')}) ended without an error and "
+                     "without telling the others (os._exit, a signal such as SIGKILL, or the out-of-memory killer), "
+                     f"last seen {where}: the root cause")
     return "; ".join(found) or None

@@ -198,6 +198,7 @@ def _safetensors_problem(file: str) -> str | None:
 # torch's zip writer reports a failed write as its own error; the OSError with its errno comes along only as the
 # context when it wrote through a Python file (ChecksumWriter), not when it wrote to a path itself.
 _WRITER_FAILURES = ("unexpected pos", "file write failed", "No space left")
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
 LOW_SPACE_BYTES = 16 * 1024 * 1024  # below this much free space, a failed write is taken for a full disk
 
 
@@ -209,15 +210,17 @@ def write_failure(exc: BaseException, output_dir: str) -> str:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    # safetensors' writer (Rust) gives only the system's words: a quota's "Disk quota exceeded (os error 122)".
+    full = full or any(words in str(e) for e in chain for words in _FULL_WORDS)
     if not full and any(marker in str(e) for e in chain for marker in _WRITER_FAILURES):
         try:
             full = shutil.disk_usage(output_dir).free < LOW_SPACE_BYTES
         except OSError:
             pass
     if full:
-        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full. The older "
-                "checkpoints were kept and nothing half-written was left behind. Free some space, lower "
-                "save_total_limit, or point output_dir at a larger disk")
+        return (f"no space left on device: the file system of {os.path.abspath(output_dir)} is full (or the disk "
+                "quota there is used up). The older checkpoints were kept and nothing half-written was left "
+                "behind. Free some space, lower save_total_limit, or point output_dir at a larger disk")
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -194,7 +194,7 @@ class StallMonitor:
             report = self.deadlock or self._posted_deadlock()
             left = {} if report else self._left_peers()
             gone = None if report or left or self._failed_peer() else diagnosis.vanished(self._states(), self.rank,
-                                                                                         self.host)
+                                                                                         diagnosis.process_space())
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             report, left, gone = self.deadlock, {}, None
         if report:
@@ -295,7 +295,7 @@ class StallMonitor:
         if isinstance(waiting, DeviceWait):
             published["device"] = waiting.device
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
-                "published": self._published, "waiting": published,
+                "published": self._published, "waiting": published, "procs": diagnosis.process_space(),
                 "done_seq": self.done_seq, "done_what": self.done_what,
                 "issued": [[r.seq, r.op, r.what] for r in list(self.issued_recent)], "stack": stack}
 
