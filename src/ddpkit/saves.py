@@ -44,8 +44,8 @@ class Saves:
 
     def own(self, path: str) -> str:
         """Where this run's checkpoint saved as `path` is now: `path`, or, once a later run's save of the same
-        step renamed it aside, ``<path>.run-<this run>`` (rank 0's view; the best checkpoint's path in
-        trainer_state.json goes through it)."""
+        step renamed it aside, ``<path>.run-<this run>``, as this rank's file system shows it (a resumed
+        best_model_checkpoint goes through it)."""
         aside = f"{os.path.normpath(path)}.run-{self.run}"
         return aside if self.run is not None and not self._ours(path) and os.path.isdir(aside) else path
 
