@@ -156,11 +156,13 @@ def _shareable(outcome: Any, output_dir: str) -> Any:
 
 
 def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
+    """On rank 0 at a launch's first choice; stacklevel 5 names the user's trainer.train() line (through
+    begin_run, Trainer._train and Trainer.train)."""
     if choice.behind is not None:
         warnings.warn(f"resuming from {choice.path}, older than {choice.behind} of the same run: this run branches "
                       f"off as a new one. Its checkpoints are kept: a restart of this run never resumes from them "
                       "and rotation never deletes them; where this run saves a step they also have, theirs is "
-                      "renamed checkpoint-<step>.run-<id>", RuntimeWarning, stacklevel=3)
+                      "renamed checkpoint-<step>.run-<id>", RuntimeWarning, stacklevel=5)
     elif choice.others and choice.path is None:
         names = ", ".join(os.path.basename(p) for p in reversed(choice.others[-3:]))
         warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of an earlier run (the newest: {names}); "
@@ -168,7 +170,7 @@ def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
                       "rotation never deletes them; where this run saves a step they also have, theirs is renamed "
                       f"checkpoint-<step>.run-<id>. To continue that run instead, pass resume_from_checkpoint="
                       f"{choice.others[-1]}; to keep runs apart, give each its own output_dir",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=5)
 
 
 def protected_checkpoints(named: str | bool | None) -> tuple[str, ...]:

@@ -166,7 +166,7 @@ class Trainer(EvaluationMixin):
         if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main:
             warnings.warn(f"the checkpoint is at step {saved.global_step}, where this run's plan ends (max_steps "
                           f"{plan.max_steps}): nothing is left to train. To train on, raise --max_steps or "
-                          "--num_train_epochs", RuntimeWarning, stacklevel=3)
+                          "--num_train_epochs", RuntimeWarning, stacklevel=4)
 
     # -- training --------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
