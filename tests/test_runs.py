@@ -206,7 +206,7 @@ def test_a_second_run_in_the_same_output_dir_loses_nothing_and_resumes_its_own(t
         for got, want in zip(restarted[1], straight[1]):
             np.testing.assert_array_equal(got, want)
     warned = results[0][1][2]  # rank 0 says what happens to run a's checkpoints when run b starts
-    assert any("checkpoint(s) of an earlier run" in w and "checkpoint-6" in w for w in warned), warned
+    assert any("checkpoint(s) of earlier runs" in w and "checkpoint-6" in w for w in warned), warned
     # b's checkpoint-4 and -6 (its -3 rotated away), a's checkpoint-4 and -6 renamed aside by b's saves of those
     names = [n for n in results[0][4] if n.startswith("checkpoint")]
     a = names[1].split(".run-")[-1]

@@ -165,7 +165,7 @@ def _warn_about_others(choice: RunChoice, output_dir: str) -> None:
                       "renamed checkpoint-<step>.run-<id>", RuntimeWarning, stacklevel=5)
     elif choice.others and choice.path is None:
         names = ", ".join(os.path.basename(p) for p in reversed(choice.others[-3:]))
-        warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of an earlier run (the newest: {names}); "
+        warnings.warn(f"{output_dir} holds {len(choice.others)} checkpoint(s) of earlier runs (the newest: {names}); "
                       "this run starts afresh and keeps them: a restart of this run never resumes from them and "
                       "rotation never deletes them; where this run saves a step they also have, theirs is renamed "
                       f"checkpoint-<step>.run-<id>. To continue that run instead, pass resume_from_checkpoint="
