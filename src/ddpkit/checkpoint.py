@@ -50,7 +50,7 @@ from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
                         write_failure, write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
-from .zero_checkpoint import is_sharded, read_into, shard_files, stage_shards
+from .zero_checkpoint import is_sharded, read_into, shard_files, shard_index, stage_shards
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -202,15 +202,19 @@ def folder_step(path: str) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
-def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False) -> None:
+def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False, rank: int = 0,
+                   world_size: int = 1) -> None:
     """Raise CheckpointError naming every missing, truncated or corrupt file of checkpoint `path` (and the
-    optimizer or scheduler file, when they are to be loaded and were never saved)."""
+    optimizer or scheduler file, when they are to be loaded and were never saved). Called by every rank of a
+    world (`rank` of `world_size`): each reads whole, for its checksum, every file but ZeRO's optimizer shards, and
+    of those only every world_size-th, so the ranks read the shards once between them, not once each (a rank that
+    finds one corrupt raises, and the stall inspector takes the job down with its error)."""
     step = folder_step(path)
     if step is None and not os.path.isfile(os.path.join(path, MARKER_FILE)):
         raise FileNotFoundError(f"{path} is not a finished checkpoint folder (one holding {MARKER_FILE}, or an "
                                 f"older ddpkit's {PREFIX}-<step> holding {TRAINER_STATE_FILE}); resume from "
                                 "another one")
-    wrong = problems(path)
+    wrong = problems(path, checksum=lambda name: (shard := shard_index(name)) is None or shard % world_size == rank)
     if step is None and not wrong:
         wrong.append(f"neither {MARKER_FILE} nor {TRAINER_STATE_FILE} records its step")
     for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
@@ -257,7 +261,8 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     CheckpointError naming it, before anything is loaded. The RNG state is returned, not applied: restore it
     with `set_rng_state` right before training goes on.
     """
-    check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None)
+    check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None,
+                   rank=world.rank if world is not None else 0, world_size=world.world_size if world is not None else 1)
     step = folder_step(path)
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0

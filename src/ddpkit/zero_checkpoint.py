@@ -46,6 +46,12 @@ def write_shard(folder: str, optimizer: Any, rank: int, world_size: int) -> tupl
     return name, write_checksummed(os.path.join(folder, name), functools.partial(torch.save, saved))
 
 
+def shard_index(name: str) -> int | None:
+    """The rank a file name is the optimizer shard of (optimizer_shard_<rank>.pt), or None for another file."""
+    match = re.fullmatch(r"optimizer_shard_(\d+)\.pt", os.path.basename(name))
+    return int(match.group(1)) if match else None
+
+
 def shard_files(folder: str) -> list[str]:
     found = []
     for path in glob.glob(os.path.join(folder, "optimizer_shard_*.pt")):
