@@ -306,10 +306,12 @@ def _corrupt_shard(world, folder, comm):
         told["latest"] = find_latest_checkpoint(folder)
     told["warned"] = [str(w.message) for w in caught]
     _, fresh = _stepped_zero(world)
-    try:
-        load_checkpoint(f"{folder}/checkpoint-5", model=models.make("mlp"), optimizer=fresh, world=world)
-    except CheckpointError as exc:
-        told["named"] = str(exc)
+    for how, together in (("named", None), ("named together", comm)):  # alone, every shard; together, shared out
+        try:
+            load_checkpoint(f"{folder}/checkpoint-5", model=models.make("mlp"), optimizer=fresh, world=world,
+                            comm=together)
+        except CheckpointError as exc:
+            told[how] = str(exc)
     load_checkpoint(told["latest"], model=models.make("mlp"), optimizer=fresh, world=world)
     return told
 
@@ -318,7 +320,7 @@ def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_pa
     folder = str(tmp_path)
     full = (f"could not write checkpoint {folder}/checkpoint-{{}}: no space left on device: the file system of "
             f"{folder} is full (or the disk quota there is used up). The older checkpoints were kept")
-    for rank, told in enumerate(run_world(failing_and_corrupt_saves, 2, args=(folder,), deadline_s=120)):
+    for told in run_world(failing_and_corrupt_saves, 2, args=(folder,), deadline_s=120):
         assert told["first"] is None and told["fifth"] is None, told
         assert told["rank 0's files"].startswith("rank 0 " + full.format(2)), told["rank 0's files"]
         assert told["rank 1's shard"].startswith("rank 1 " + full.format(3)), told["rank 1's shard"]
@@ -328,9 +330,6 @@ def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_pa
         assert told["latest"] == f"{folder}/checkpoint-1"
         assert len(told["warned"]) == 1 and "checkpoint-5: optimizer_shard_1.pt fails its checksum" in \
             told["warned"][0], told["warned"]
-        # Loading, the ranks share the shards' checksums (each reads every world_size-th shard): rank 1 names it,
-        # and its error would take the job down; rank 0 reads only its own ranges, from shard 0.
-        if rank == 1:
-            assert "checkpoint-5 cannot be loaded: optimizer_shard_1.pt fails its checksum" in told["named"], told
-        else:
-            assert "named" not in told, told
+        # Every rank names it: checking alone, or sharing the shards out (each reads every world_size-th one).
+        for how in ("named", "named together"):
+            assert "checkpoint-5 cannot be loaded: optimizer_shard_1.pt fails its checksum" in told[how], told

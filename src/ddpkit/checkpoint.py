@@ -45,7 +45,7 @@ from safetensors.torch import load_model, save_model
 from .checkpoint_dir import (PREFIX, TRAINER_STATE_FILE, checkpoint_run, checkpoint_step,  # noqa: F401 - API
                              find_latest_checkpoint, fsync_path, latest_valid_checkpoint, list_checkpoints,
                              remove_stale, rotate_checkpoints)
-from .comm import Comm
+from .comm import Comm, gather_objects
 from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
                         write_failure, write_failures)
@@ -202,19 +202,28 @@ def folder_step(path: str) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
-def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False, rank: int = 0,
-                   world_size: int = 1) -> None:
+def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = False, comm: Comm | None = None) -> None:
     """Raise CheckpointError naming every missing, truncated or corrupt file of checkpoint `path` (and the
-    optimizer or scheduler file, when they are to be loaded and were never saved). Called by every rank of a
-    world (`rank` of `world_size`): each reads whole, for its checksum, every file but ZeRO's optimizer shards, and
-    of those only every world_size-th, so the ranks read the shards once between them, not once each (a rank that
-    finds one corrupt raises, and the stall inspector takes the job down with its error)."""
+    optimizer or scheduler file, when they are to be loaded and were never saved).
+
+    Every file is read whole for its checksum, ZeRO's optimizer shards only when the optimizer is loaded. comm:
+    the ranks loading together (every one of them calls this): each then reads only every world_size-th shard
+    and they share what they found, so the shards are read once between them, not once each, and every rank
+    raises alike."""
     step = folder_step(path)
     if step is None and not os.path.isfile(os.path.join(path, MARKER_FILE)):
         raise FileNotFoundError(f"{path} is not a finished checkpoint folder (one holding {MARKER_FILE}, or an "
                                 f"older ddpkit's {PREFIX}-<step> holding {TRAINER_STATE_FILE}); resume from "
                                 "another one")
-    wrong = problems(path, checksum=lambda name: (shard := shard_index(name)) is None or shard % world_size == rank)
+    shared = comm is not None and comm.distributed
+
+    def checksum(name: str) -> bool:
+        shard = shard_index(name)
+        return shard is None or (optimizer and (not shared or shard % comm.world_size == comm.rank))
+
+    wrong = problems(path, checksum)
+    if shared:
+        wrong = sorted({w for found in gather_objects(comm, wrong, f"checkpoint check {path}") for w in found})
     if step is None and not wrong:
         wrong.append(f"neither {MARKER_FILE} nor {TRAINER_STATE_FILE} records its step")
     for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
@@ -254,15 +263,15 @@ def _load_into(target: Any, file: str, device: torch.device | str) -> None:
 
 def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                    world: DistEnv | None = None, scaler: Any = None) -> LoadedCheckpoint:
+                    world: DistEnv | None = None, scaler: Any = None, comm: Comm | None = None) -> LoadedCheckpoint:
     """Load what `save_checkpoint` wrote into model, optimizer and scheduler (each optional) on this rank.
 
     The folder is checked against its completion marker first: a missing, truncated or corrupt file raises
-    CheckpointError naming it, before anything is loaded. The RNG state is returned, not applied: restore it
-    with `set_rng_state` right before training goes on.
+    CheckpointError naming it, before anything is loaded. comm: every rank of it loads this checkpoint now, and
+    they share out the checking of ZeRO's optimizer shards (`check_loadable`); without it this rank checks them
+    all. The RNG state is returned, not applied: restore it with `set_rng_state` right before training goes on.
     """
-    check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None,
-                   rank=world.rank if world is not None else 0, world_size=world.world_size if world is not None else 1)
+    check_loadable(path, optimizer=optimizer is not None, scheduler=scheduler is not None, comm=comm)
     step = folder_step(path)
     device = world.device if world is not None else torch.device("cpu")
     rank = world.rank if world is not None else 0

@@ -178,11 +178,13 @@ def protected_checkpoints(named: str | bool | None) -> tuple[str, ...]:
     return (named,) if isinstance(named, str) else ()
 
 
-def restore(path: str, *, model, optimizer, scheduler, world, scaler=None) -> tuple[dict[str, Any], dict | None]:
+def restore(path: str, *, model, optimizer, scheduler, world, scaler=None,
+            comm: Comm | None = None) -> tuple[dict[str, Any], dict | None]:
     """Load a checkpoint into model, optimizer, scheduler (and fp16's scaler), and this rank's RNG; its
-    trainer_state and sampler position. The RNG is set last: nothing may draw from it before training goes on."""
+    trainer_state and sampler position. The RNG is set last: nothing may draw from it before training goes on.
+    comm: every rank restores now (they share out checking the checkpoint, see checkpoint.check_loadable)."""
     loaded = checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, world=world,
-                                        scaler=scaler)
+                                        scaler=scaler, comm=comm)
     checkpoint.set_rng_state(loaded.rng_state)
     return loaded.trainer_state, loaded.sampler_state
 

@@ -162,7 +162,6 @@ class Trainer(EvaluationMixin):
         plan = plan_for(self.args, batches, self.world.world_size, saved)
         for name, value in plan._asdict().items():
             setattr(self.state, name, value)
-        self.state.plan_arguments = {"max_steps": self.args.max_steps, "num_train_epochs": self.args.num_train_epochs}
         if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main:
             warnings.warn(f"the checkpoint is at step {saved.global_step}, where this run's plan ends (max_steps "
                           f"{plan.max_steps}): nothing is left to train. To train on, raise --max_steps or "
@@ -226,7 +225,7 @@ class Trainer(EvaluationMixin):
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
                                                       scheduler=self.lr_scheduler, world=self.world,
-                                                      scaler=self.precision.scaler)
+                                                      scaler=self.precision.scaler, comm=self.comm)
         self.state.global_step = trainer_state["global_step"]
         for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
