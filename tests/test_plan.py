@@ -19,7 +19,8 @@ def test_epochs_make_the_plan_when_max_steps_is_unset():
     # 41 batches on the fullest rank, 2 per step: 20 full windows and a short one, so 21 steps an epoch.
     plan = plan_steps(batches_per_epoch=41, **BASE)
     assert plan == StepPlan(max_steps=63, num_train_epochs=3, logging_steps=10, eval_steps=7, save_steps=500,
-                            train_batch_size=8 * 2 * 2)
+                            train_batch_size=8 * 2 * 2,
+                            plan_arguments={"max_steps": -1, "num_train_epochs": 3, "steps_per_epoch": 21})
 
 
 def test_max_steps_wins_over_epochs_and_counts_started_epochs():
@@ -73,6 +74,12 @@ def test_a_resumed_run_asking_for_other_epochs_replans_the_epochs_left():
     halved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2, asked=(-1, 3), train_batch_size=64)
     assert plan_steps(batches_per_epoch=80, **BASE, resumed=halved).max_steps == 30 + 60  # 1.5 epochs of 40
     assert plan_steps(batches_per_epoch=40, **BASE, resumed=halved._replace(train_batch_size=32)).max_steps == 60
+    # The same global batch, but another number of steps an epoch (dataloader_drop_last, with another world size
+    # or accumulation: 10 samples as 1 rank x 2 x 2 steps 3 an epoch, as 2 ranks x 2 x 1 steps 2): from the fraction
+    dropped = SavedPlan(global_step=3, epoch=0.8, max_steps=9, world_size=1, asked=(-1, 3), train_batch_size=4,
+                        steps_per_epoch=3)
+    assert total_steps(2, -1, 3, 2, dropped, train_batch_size=4) == 3 + math.ceil(2.2 * 2)
+    assert total_steps(3, -1, 3, 1, dropped, train_batch_size=4) == 9  # the same steps an epoch: kept
     # max_steps 0 and -1 both mean "unset": the same arguments
     assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 0}, resumed=saved).max_steps == 60
 
@@ -100,7 +107,8 @@ def test_plan_for_reads_the_training_arguments(tmp_path):
     plan = plan_for(args, batches_per_epoch=31, world_size=2)
     # ceil(31 / 3) = 11 steps an epoch, 22 in all; a quarter is 5.5 -> 6, a half 11.
     assert plan == StepPlan(max_steps=22, num_train_epochs=2, logging_steps=6, eval_steps=7, save_steps=11,
-                            train_batch_size=4 * 2 * 3)
+                            train_batch_size=4 * 2 * 3,
+                            plan_arguments={"max_steps": -1, "num_train_epochs": 2, "steps_per_epoch": 11})
 
 
 @given(value=st.one_of(st.floats(min_value=1e-6, max_value=0.999), st.integers(min_value=1, max_value=10**6)),

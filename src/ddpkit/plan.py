@@ -27,15 +27,16 @@ class SavedPlan(NamedTuple):
     world_size: int
     asked: tuple[int, float] | None = None  # (max_steps, num_train_epochs) the plan was made from; None: unknown
     train_batch_size: int = 0  # global samples per optimizer step; 0: unknown (the world size stands in)
+    steps_per_epoch: int = 0  # 0: unknown
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> SavedPlan:
         """From trainer_state.json's fields (absent ones take TrainerState's defaults)."""
-        asked = state.get("plan_arguments")
+        asked = state.get("plan_arguments") or {}
         return cls(state.get("global_step", 0), state.get("epoch", 0.0), state.get("max_steps", 0),
                    state.get("world_size", 1),
-                   None if not asked else _asked(asked.get("max_steps", -1), asked.get("num_train_epochs", 0)),
-                   state.get("train_batch_size", 0))
+                   _asked(asked.get("max_steps", -1), asked.get("num_train_epochs", 0)) if asked else None,
+                   state.get("train_batch_size", 0), asked.get("steps_per_epoch", 0))
 
 
 def _asked(max_steps: int, num_train_epochs: float) -> tuple[int, float]:
@@ -44,12 +45,15 @@ def _asked(max_steps: int, num_train_epochs: float) -> tuple[int, float]:
 
 
 class StepPlan(NamedTuple):
+    """The plan, by its TrainerState field names."""
+
     max_steps: int
     num_train_epochs: int  # epochs started, the last one maybe in part
     logging_steps: int
     eval_steps: int
     save_steps: int
     train_batch_size: int  # global samples per optimizer step
+    plan_arguments: dict[str, Any]  # what it was made from (max_steps, num_train_epochs, steps_per_epoch): SavedPlan
 
 
 def interval(value: float, total_steps: int) -> int:
@@ -64,10 +68,10 @@ def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, w
         return max_steps
     if resumed is None:
         return math.ceil(num_train_epochs * steps_per_epoch)
-    # A step covers as many samples as the saved run's did: the same global batch (or, for a state that does not
-    # say, the same world size).
+    # A step covers as many samples as the saved run's did (the same global batch or, for a state that does not
+    # say, the same world size), and an epoch as many steps (dataloader_drop_last drops another tail otherwise).
     same_step = (resumed.train_batch_size == train_batch_size if resumed.train_batch_size and train_batch_size
-                 else resumed.world_size == world_size)
+                 else resumed.world_size == world_size) and resumed.steps_per_epoch in (0, steps_per_epoch)
     if same_step and resumed.max_steps and resumed.asked in (None, _asked(max_steps, num_train_epochs)):
         # The saved total, not one computed again: a run resumed earlier on another world size re-planned it.
         return resumed.max_steps  # the same plan, so the resumed run is the uninterrupted one
@@ -100,7 +104,9 @@ def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batc
     steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed, batch)
     return StepPlan(max_steps=steps, num_train_epochs=math.ceil(steps / steps_per_epoch),
                     logging_steps=interval(logging_steps, steps), eval_steps=interval(eval_steps, steps),
-                    save_steps=interval(save_steps, steps), train_batch_size=batch)
+                    save_steps=interval(save_steps, steps), train_batch_size=batch,
+                    plan_arguments={"max_steps": max_steps, "num_train_epochs": num_train_epochs,
+                                    "steps_per_epoch": steps_per_epoch})
 
 
 def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None) -> StepPlan:

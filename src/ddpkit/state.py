@@ -57,7 +57,7 @@ class TrainerState:
     # so that a resumed run logs what the uninterrupted one logs.
     loss_since_last_log: float = 0.0
     steps_since_last_log: int = 0
-    # ddpkit's: the arguments max_steps was planned from, so that a resume asking for more epochs trains them
+    # ddpkit's: what max_steps was planned from (plan.StepPlan), so that a resume asking for more epochs trains them
     plan_arguments: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
