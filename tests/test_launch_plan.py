@@ -58,6 +58,10 @@ def test_static_and_c10d_rendezvous_follow_torchrun():
     assert "GLOO_SOCKET_IFNAME" not in p.worker_env
     p = plan("--master-port", "1234", "t.py")  # a port given: static even on one node, as torchrun
     assert (p.rdzv_backend, p.rdzv_endpoint) == ("static", "127.0.0.1:1234")
+    # one node names its own launch (its workers' TORCHELASTIC_RUN_ID); several must be told one (--rdzv-id)
+    assert len(p.run_id) == 32 and p.run_id != plan("--master-port", "1234", "t.py").run_id
+    assert plan("--nnodes", "2", "--master-addr", "10.0.0.1", "t.py").run_id == "none"
+    assert plan("--master-port", "1234", "--rdzv-id", "mine", "t.py").run_id == "mine"
     p = plan("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "j7",
              "--rdzv-conf", "is_host=1,join_timeout=5", "t.py")
     assert (p.min_nodes, p.max_nodes, p.rdzv_backend, p.run_id) == (1, 4, "c10d", "j7")

@@ -233,6 +233,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     elif backend == "static":
         endpoint = endpoint or f"{args.master_addr}:{args.master_port or STATIC_DEFAULT_PORT}"
         configs["rank"] = args.node_rank
+        if run_id == "none" and max_nodes == 1:  # one node agrees with itself: a launch id of its own, which its
+            run_id = uuid.uuid4().hex  # workers read as TORCHELASTIC_RUN_ID (a restart knows its own run by it)
     configs.setdefault("timeout", RDZV_TIMEOUT_S)
     shutdown = args.shutdown_timeout
     if shutdown is None:
