@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from .checkpoint_dir import (PREFIX, TRAINER_STATE_FILE, checkpoint_run, checkpoint_step,  # noqa: F401 - API
-                             find_latest_checkpoint, fsync_path, latest_valid_checkpoint, list_checkpoints,
-                             remove_stale, rotate_checkpoints)
+from .checkpoint_dir import (  # noqa: F401 - re-exported: this module's API
+    PREFIX, TRAINER_STATE_FILE, aside_name, checkpoint_run, checkpoint_step, find_latest_checkpoint, fsync_path,
+    latest_valid_checkpoint, list_checkpoints, remove_stale, rotate_checkpoints)
 from .comm import Comm, gather_objects
 from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
@@ -118,7 +118,7 @@ def _publish(tmp: str, final: str, run: str | None = None) -> None:
     if os.path.exists(final):
         owner = checkpoint_run(final)
         if run is not None and owner != run:
-            aside = f"{final}.run-{owner or 'earlier'}"
+            aside = aside_name(final, owner)
             aside = aside if not os.path.exists(aside) else f"{aside}-{uuid.uuid4().hex[:8]}"
         else:
             trash = os.path.join(parent, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")

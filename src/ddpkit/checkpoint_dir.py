@@ -34,6 +34,12 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def aside_name(path: str, run: str | None) -> str:
+    """Where a save of another run renames run `run`'s checkpoint `path` to keep it: ``checkpoint-<step>.run-<id>``
+    (no longer a checkpoint-<step> name, so neither found as the newest nor rotated; it loads when named)."""
+    return f"{os.path.normpath(path)}.run-{run or 'earlier'}"
+
+
 def checkpoint_step(path: str) -> int | None:
     """The step of a finished checkpoint folder, or None for anything else (temporary folders included).
 
@@ -141,5 +147,5 @@ def _retire(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-__all__ = ["PREFIX", "TRAINER_STATE_FILE", "checkpoint_run", "checkpoint_step", "find_latest_checkpoint", "fsync_path",
-           "latest_valid_checkpoint", "list_checkpoints", "remove_stale", "rotate_checkpoints"]
+__all__ = ["PREFIX", "TRAINER_STATE_FILE", "aside_name", "checkpoint_run", "checkpoint_step", "find_latest_checkpoint",
+           "fsync_path", "latest_valid_checkpoint", "list_checkpoints", "remove_stale", "rotate_checkpoints"]

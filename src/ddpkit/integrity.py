@@ -33,8 +33,9 @@ MARKER_FORMAT = 2  # 1: sizes only; 2: sizes and a "crc32" table
 # zlib.crc32 ran at 2.1-2.9 GB/s on one core of the 2-core development machine (256 MiB from memory and from the
 # page cache, in 4 MiB reads; 4 and 16 MiB chunks alike), about as fast as the page cache hands the bytes over:
 # checking a checkpoint costs about 0.4 s per GB it holds, more when its files must come from disk. `problems`
-# pays it on every rank, and only where a checkpoint is chosen or loaded (load_checkpoint, and
-# latest_valid_checkpoint, which stops at the newest whole one); finding, listing and rotating go by names.
+# pays it only where a checkpoint is chosen (latest_valid_checkpoint, on rank 0, which stops at the newest whole
+# one) or loaded (on every rank; the Trainer's ranks share out ZeRO's shards, checkpoint.check_loadable); finding,
+# listing and rotating go by names.
 CHUNK_BYTES = 4 * 1024 * 1024
 # Files every checkpoint has, marker or not (the rest depend on what was saved: optimizer, scheduler, ...).
 REQUIRED = ("model.safetensors", "trainer_state.json")

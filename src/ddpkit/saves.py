@@ -46,7 +46,7 @@ class Saves:
         """Where this run's checkpoint saved as `path` is now: `path`, or, once a later run's save of the same
         step renamed it aside, ``<path>.run-<this run>``, as this rank's file system shows it (a resumed
         best_model_checkpoint goes through it)."""
-        aside = f"{os.path.normpath(path)}.run-{self.run}"
+        aside = checkpoint.aside_name(path, self.run)
         return aside if self.run is not None and not self._ours(path) and os.path.isdir(aside) else path
 
     def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
