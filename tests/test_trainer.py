@@ -230,6 +230,44 @@ def test_trainer_errors_name_the_problem(tmp_path, local_world):
         Trainer(LogitsOnly().double(), trainer_args(tmp_path, max_steps=2), classification_data(8)).train()
 
 
+def test_a_second_train_call_trains_again_as_in_transformers(tmp_path, local_world):
+    """train() again without resuming starts from step 0 on the weights and the optimizer state the first call left,
+    with a new schedule (Transformers' Trainer does so): the same bits as a new Trainer given that model and
+    optimizer. It used to train 0 steps, silently. The first call's checkpoint of the same step is kept aside."""
+    import copy
+
+    def made():
+        torch.manual_seed(0)
+        model = Classifier().double()
+        model.net[2].p = 0.0  # the second Trainer below seeds the RNG again
+        return model
+
+    kw = dict(max_steps=3, per_device_train_batch_size=4, lr_scheduler_type="linear", save_strategy="steps",
+              save_steps=3)
+    model = made()
+    trainer = Trainer(model, trainer_args(tmp_path / "twice", **kw), classification_data(24))
+    trainer.train()
+    after_first, first_log = params_of(model), copy.deepcopy(trainer.state.log_history)
+    out = trainer.train()
+    assert out.global_step == 3 and [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3]
+    lrs = [[e["learning_rate"] for e in log if "loss" in e] for log in (first_log, trainer.state.log_history)]
+    assert lrs[0] == lrs[1] and lrs[0][0] > lrs[0][-1]  # the linear decay again from the start
+    assert len(trainer.state.log_history) == len(first_log)  # the second call's log only
+    names = os.listdir(tmp_path / "twice")
+    assert "checkpoint-3" in names and len([n for n in names if n.startswith("checkpoint-3.run-")]) == 1
+
+    truth_model = made()
+    first = Trainer(truth_model, trainer_args(tmp_path / "first", **kw), classification_data(24))
+    first.train()
+    np.testing.assert_array_equal(np.concatenate([p.ravel() for p in params_of(truth_model)]),
+                                  np.concatenate([p.ravel() for p in after_first]))
+    Trainer(truth_model, trainer_args(tmp_path / "second", **kw), classification_data(24),
+            optimizers=(first.optimizer, None)).train()
+    for got, want, before in zip(params_of(model), params_of(truth_model), after_first):
+        np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(got, before)
+
+
 def test_schedules_match_transformers():
     from ddpkit.trainer import get_scheduler
 

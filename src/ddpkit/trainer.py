@@ -96,8 +96,8 @@ class Trainer(EvaluationMixin):
         self.data_collator = data_collator or default_collate
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.state = TrainerState(world_size=self.world.world_size, is_world_process_zero=self.world.is_main,
-                                  is_local_process_zero=self.world.is_local_main)
+        self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
+        self.state = self._new_state()
         self.reporter = Reporter(args.output_dir, args.reporters, is_main=self.world.is_main)
         self._last_batch = None
         self.best = BestModel.for_args(args)
@@ -152,7 +152,21 @@ class Trainer(EvaluationMixin):
         if self.lr_scheduler is None:
             self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, self.optimizer,
                                               self.args.warmup_steps_for(total_steps), total_steps)
+            self._made_scheduler = True
         return self.lr_scheduler
+
+    def _new_state(self) -> TrainerState:
+        return TrainerState(world_size=self.world.world_size, is_world_process_zero=self.world.is_main,
+                            is_local_process_zero=self.world.is_local_main)
+
+    def _start_afresh(self) -> None:
+        """What every train() call starts from, as in Transformers' Trainer: a new TrainerState (step 0, no logs)
+        and running loss, and a new learning-rate schedule where the Trainer made the last one (a schedule passed
+        in `optimizers` is the caller's); the model's weights and the optimizer, with its state, go on. A resume
+        then replaces them with the checkpoint's."""
+        self.state, self._loss = self._new_state(), RunningLoss()
+        if self._made_scheduler:
+            self.lr_scheduler, self._made_scheduler = None, False
 
     def _plan(self, loader: DataLoader, resumed: dict | None) -> None:
         """Fill in max_steps, epochs and the logging/eval/save intervals of self.state."""
@@ -183,6 +197,7 @@ class Trainer(EvaluationMixin):
             lock.release()
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
+        self._start_afresh()
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm)
         resume_path, self.saves.run = choice.path, choice.run
