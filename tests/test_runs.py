@@ -18,6 +18,7 @@ from conftest import Classifier, classification_data, params_of, run_world, trai
 from ddpkit import checkpoint, integrity, runs
 from ddpkit.args import ArgumentError
 from ddpkit.resume import choose_run
+from ddpkit.callbacks import TrainerCallback
 from ddpkit.trainer import Trainer
 
 
@@ -75,6 +76,38 @@ def test_a_restart_takes_up_only_a_run_its_own_launch_recorded(tmp_path):
     assert choose_run(None, out, restart=1, job="launch-1").path == a6  # launch 1's restart: its own run
     assert choose_run(None, out, restart=1, job=None).path == a6  # a launcher that names no launch: as before
     assert choose_run(True, out, restart=1, job="launch-2").path == a6  # asked for the newest, it gets it
+
+
+def test_each_train_call_of_a_restarted_script_takes_up_its_own_run(tmp_path):
+    """A script that trains twice into one output_dir (pretraining, then fine-tuning) restarts as a whole: its
+    first call continues the first call's run, its second the second's, never both the run recorded last."""
+    out = str(tmp_path)
+    (a6,) = _checkpoints(tmp_path, "a", 6)
+    (b8,) = _checkpoints(tmp_path, "b", 8)
+    assert runs.call_index(out, "L", 0) == 0
+    runs.mark_current(out, "a", None, job="L", attempt=0, call=0)
+    assert runs.call_index(out, "L", 0) == 1  # the same attempt's next call
+    runs.mark_current(out, "b", None, job="L", attempt=0, call=1)
+    assert runs.current_run(out) == "b" and runs.current_run(out, "L") == "a" and runs.current_run(out, "L", 1) == "b"
+    # restart 1: the count starts again, each call taking its own run
+    assert runs.call_index(out, "L", 1) == 0
+    first = choose_run(None, out, restart=1, job="L", call=0)
+    assert (first.path, first.run) == (a6, "a"), first
+    runs.mark_current(out, first.run, first.path, job="L", attempt=1, call=0)
+    assert runs.call_index(out, "L", 1) == 1 and runs.current_run(out, "L", 1) == "b"  # call 1's run is kept
+    second = choose_run(None, out, restart=1, job="L", call=1)
+    assert (second.path, second.run) == (b8, "b"), second
+    runs.mark_current(out, second.run, second.path, job="L", attempt=1, call=1)
+    # a third call that no earlier attempt reached starts as a first try would; another launch counts afresh
+    assert runs.current_run(out, "L", 2) is None and choose_run(None, out, 1, "L", 2).run not in ("a", "b")
+    assert runs.call_index(out, "M", 1) == 0 and runs.current_run(out, "M") is None
+    runs.mark_current(out, "c", None, job="M")
+    assert json.load(open(os.path.join(out, runs.RUN_FILE)))["calls"] == ["c"]
+    # a run file written before calls were listed names the first call's run only
+    with open(os.path.join(out, runs.RUN_FILE), "w") as f:
+        json.dump({"run": "a", "job": "L", "resumed_from": None}, f)
+    assert runs.current_run(out, "L", 0) == "a" and runs.current_run(out, "L", 1) is None
+    assert runs.call_index(out, "L", 0) == 0
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_continued_not_branched(tmp_path):
@@ -171,15 +204,15 @@ class Steps(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def _train(out, max_steps, restart=0, save_steps=2, **kw):
+def _train(out, max_steps, restart=0, save_steps=2, job=None, callbacks=None, **kw):
     torch.manual_seed(0)
     model = Classifier().double()
     args = trainer_args(out, per_device_train_batch_size=2, max_steps=max_steps, save_strategy="steps",
                         save_steps=save_steps, save_total_limit=2, **kw)
-    trainer = Steps(model, args, classification_data(24))
+    trainer = Steps(model, args, classification_data(24), callbacks=callbacks)
     trainer.steps = []
-    if restart:  # what the launcher's TORCHELASTIC_RESTART_COUNT tells a restarted worker
-        trainer.world = dataclasses.replace(trainer.world, restart=restart)
+    # what the launcher's TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_RUN_ID tell a (restarted) worker
+    trainer.world = dataclasses.replace(trainer.world, restart=restart, job=job)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -217,3 +250,34 @@ def test_a_second_run_in_the_same_output_dir_loses_nothing_and_resumes_its_own(t
 
 def _run_of(out, name):
     return checkpoint.checkpoint_run(os.path.join(out, name))
+
+
+class Crash(TrainerCallback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise RuntimeError("crash")
+
+
+def test_a_restarted_script_that_trains_twice_continues_each_call_in_its_own_run(tmp_path, local_world):
+    """Pretraining (run a), then fine-tuning (run b) into one output_dir, by one launch (job L); b crashes after its
+    checkpoint-4. The restarted script's first call takes up a's checkpoint-4 (nothing left to train), not b's, which
+    was recorded last; its second call continues b from b's checkpoint-4."""
+    out = str(tmp_path / "out")
+    a = _train(out, max_steps=4, job="L")
+    with pytest.raises(RuntimeError, match="crash"):
+        _train(out, max_steps=6, job="L", learning_rate=0.02, callbacks=[Crash(5)])
+    again_a = _train(out, max_steps=4, job="L", restart=1)
+    again_b = _train(out, max_steps=6, job="L", restart=1, learning_rate=0.02)
+    straight_b = _train(f"{out}-straight", max_steps=6, learning_rate=0.02)
+    assert again_a[0] == [] and again_b[0] == [5, 6], (again_a[0], again_b[0])
+    for got, want in zip(again_a[1], a[1]):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(again_b[1], straight_b[1]):
+        np.testing.assert_array_equal(got, want)
+    # a's restart found its checkpoint-4 renamed aside by b's save and wrote no other (b's stays in place)
+    a_id = _run_of(out, "checkpoint-4.run-" + runs.current_run(out, "L", 0))
+    names = sorted(n for n in os.listdir(out) if n.startswith("checkpoint"))
+    assert names == ["checkpoint-2.run-" + a_id, "checkpoint-4", "checkpoint-4.run-" + a_id, "checkpoint-6"], names

@@ -23,6 +23,7 @@ from .integrity import MARKER_FILE, CheckpointError, problems, read_marker
 PREFIX = "checkpoint"
 TRAINER_STATE_FILE = "trainer_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
+_ASIDE = re.compile(rf"^{PREFIX}-(\d+)\.run-(.+)$")  # aside_name's
 
 
 def fsync_path(path: str) -> None:
@@ -64,8 +65,9 @@ def checkpoint_run(path: str) -> str | None:
     return None if marker is None else marker.get("run")
 
 
-def list_checkpoints(output_dir: str, run: str | None = None) -> list[str]:
-    """Finished checkpoints in output_dir, oldest (lowest step) first; with `run`, only that run's."""
+def list_checkpoints(output_dir: str, run: str | None = None, renamed: bool = False) -> list[str]:
+    """Finished checkpoints in output_dir, oldest (lowest step) first; with `run`, only that run's, and with
+    `renamed` too, also those of its that another run's save renamed aside (aside_name)."""
     if not os.path.isdir(output_dir):
         return []
     found = []
@@ -74,14 +76,18 @@ def list_checkpoints(output_dir: str, run: str | None = None) -> list[str]:
         step = checkpoint_step(path)
         if step is not None and (run is None or checkpoint_run(path) == run):
             found.append((step, path))
+        aside = _ASIDE.match(name) if renamed and run is not None else None
+        if aside is not None and aside.group(2) == run and os.path.isfile(os.path.join(path, MARKER_FILE)):
+            found.append((int(aside.group(1)), path))
     return [path for _, path in sorted(found)]
 
 
-def latest_valid_checkpoint(output_dir: str, run: str | None = None) -> tuple[str | None, list[tuple[str, list[str]]]]:
-    """The newest checkpoint in output_dir (of `run`, if given) that is whole, and the newer ones skipped with
-    what is wrong."""
+def latest_valid_checkpoint(output_dir: str, run: str | None = None,
+                            renamed: bool = False) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """The newest checkpoint in output_dir (of `run`, if given; `renamed`: list_checkpoints') that is whole, and
+    the newer ones skipped with what is wrong."""
     skipped = []
-    for path in reversed(list_checkpoints(output_dir, run)):
+    for path in reversed(list_checkpoints(output_dir, run, renamed)):
         wrong = problems(path)
         if not wrong:
             return path, skipped
@@ -89,10 +95,10 @@ def latest_valid_checkpoint(output_dir: str, run: str | None = None) -> tuple[st
     return None, skipped
 
 
-def find_latest_checkpoint(output_dir: str, run: str | None = None) -> str | None:
-    """The newest whole checkpoint in output_dir (of `run`, if given; None: there is none); a newer corrupt one
-    is skipped with a warning that names what is wrong with it."""
-    path, skipped = latest_valid_checkpoint(output_dir, run)
+def find_latest_checkpoint(output_dir: str, run: str | None = None, renamed: bool = False) -> str | None:
+    """The newest whole checkpoint in output_dir (of `run`, if given; `renamed`: list_checkpoints'; None: there
+    is none); a newer corrupt one is skipped with a warning that names what is wrong with it."""
+    path, skipped = latest_valid_checkpoint(output_dir, run, renamed)
     for bad, wrong in skipped:
         warnings.warn(f"skipping the corrupt checkpoint {bad}: {'; '.join(wrong)}"
                       + (f"; resuming from {path}" if path else ""), RuntimeWarning, stacklevel=2)

@@ -61,15 +61,19 @@ class RunChoice:
     behind: str | None = None
 
 
-def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job: str | None = None) -> RunChoice:
+def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job: str | None = None,
+               call: int = 0) -> RunChoice:
     """The checkpoint and the run of a launch (see the module's docstring). job: the launch's id (DistEnv.job),
-    which tells a restart's own run from an earlier launch's."""
-    own = runs.current_run(output_dir, job) if restart > 0 else None
+    which tells a restart's own run from an earlier launch's; call: which of its script's train() calls into
+    output_dir this is (runs.call_index), each of which continues its own run after a restart."""
+    own = runs.current_run(output_dir, job, call) if restart > 0 else None
     if restart > 0 and (own is not None or job is None):  # else this launch never recorded a run: as a first try
-        latest = checkpoint.find_latest_checkpoint(output_dir, own)  # no run file: any run's, as before runs
+        # Its own, also those a later run's save renamed aside (a script's second train() call into output_dir
+        # does so to its first's); no run file: any run's, as before runs.
+        latest = checkpoint.find_latest_checkpoint(output_dir, own, renamed=True)
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
         named_step = checkpoint.folder_step(named) if named is not None else None
-        path = latest if latest is not None and (named_step is None or checkpoint.checkpoint_step(latest) >
+        path = latest if latest is not None and (named_step is None or checkpoint.folder_step(latest) >
                                                  named_step) else None
         path = path or _asked(resume, output_dir, own)
         run = own or (checkpoint.checkpoint_run(path) if path else None) or runs.new_run_id()
@@ -123,14 +127,15 @@ def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm
     reaches the broadcast, whatever rank 0 met (a full disk writing the run file, a folder that is no checkpoint)."""
     outcome: Any = None
     if world.is_main:
-        # The launch's first choice: its first attempt, or a restart of one that failed before choosing.
-        first = world.restart == 0 or (world.job is not None and runs.current_run(output_dir, world.job) is None)
+        call = runs.call_index(output_dir, world.job, world.restart)
+        # The call's first choice: its first attempt, or a restart of one that failed before choosing.
+        first = world.restart == 0 or (world.job is not None and runs.current_run(output_dir, world.job, call) is None)
         try:
-            outcome = choose_run(resume, output_dir, world.restart, world.job)
+            outcome = choose_run(resume, output_dir, world.restart, world.job, call)
             if outcome.path is not None and checkpoint.folder_step(outcome.path) is None:
                 raise FileNotFoundError(f"{outcome.path} is not a finished checkpoint folder ({checkpoint.PREFIX}-"
                                         "<step> holding its completion marker); resume from another one")
-            runs.mark_current(output_dir, outcome.run, outcome.path, world.job)
+            runs.mark_current(output_dir, outcome.run, outcome.path, world.job, world.restart, call)
         except Exception as exc:  # noqa: BLE001 - every rank raises it alike, below
             outcome = exc
     shared = decided_by_main(comm, _shareable(outcome, output_dir), "resume: which checkpoint and run")

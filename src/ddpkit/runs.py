@@ -3,6 +3,8 @@
     run = new_run_id()                          # a launch that starts afresh (or branches off an old checkpoint)
     mark_current(output_dir, run, resumed_from=None)
     current_run(output_dir, job)                # what a restart of that launch continues: this id
+    call = call_index(output_dir, job, attempt) # the script's second train() call into output_dir: 1
+    current_run(output_dir, job, call)          # what that call continues after a restart: its own run
 
 Two runs that share an output_dir one after the other (a fresh run started where an earlier one left its
 checkpoints) must not mix: a restart of the second (--max-restarts) resuming from the first's newer checkpoint
@@ -10,9 +12,11 @@ would finish with the first run's weights, and rotation, counting the first run'
 would delete the second's own. So every checkpoint's completion marker names the run that wrote it (its id), and
 ``output_dir/.ddpkit-run.json`` names the run that last started there: rank 0 writes it at every launch, under
 the output_dir's lock (ddpkit.lock), before the first save, with the launch's id (TORCHELASTIC_RUN_ID, the same
-in all its restarts). A restart reads that file to know whose checkpoints are its own, and takes it for its
-own launch's only when the ids match: a first attempt that failed before recording its run leaves an earlier
-launch's there. The policy that uses all this is ddpkit.resume's.
+in all its restarts), and the run of each of the launch's train() calls in call order. A restart reads that file
+to know whose checkpoints are its own, and takes it for its own launch's only when the ids match: a first attempt
+that failed before recording its run leaves an earlier launch's there. A script that trains twice into one
+output_dir restarts as a whole: its first call takes up the first call's run, its second the second's. The
+policy that uses all this is ddpkit.resume's.
 """
 
 from __future__ import annotations
@@ -31,27 +35,54 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def current_run(output_dir: str, job: str | None = None) -> str | None:
-    """The id of the run that last started in output_dir, or None (none did, or an older ddpkit's). job: the
-    launch asking (DistEnv.job): a run recorded by another launch is not returned, since a restart of this
-    launch whose first attempt failed before recording its run must not take up an earlier launch's."""
+def _recorded(output_dir: str) -> dict:
     try:
         with open(os.path.join(output_dir, RUN_FILE), encoding="utf-8") as f:
             found = json.load(f)
-        run, recorded_by = found.get("run"), found.get("job")
-    except (OSError, ValueError, AttributeError):
-        return None  # a file cut short by a kill reads as no run: a restart then continues the newest checkpoint
-    if job is not None and recorded_by != job:
-        return None
+    except (OSError, ValueError):
+        return {}  # a file cut short by a kill reads as no run: a restart then continues the newest checkpoint
+    return found if isinstance(found, dict) else {}
+
+
+def current_run(output_dir: str, job: str | None = None, call: int = 0) -> str | None:
+    """The id of the run that last started in output_dir, or None (none did, or an older ddpkit's). job: the
+    launch asking (DistEnv.job): a run recorded by another launch is not returned, since a restart of this
+    launch whose first attempt failed before recording its run must not take up an earlier launch's. call: which
+    of that launch's train() calls asks (call_index): the run that call trained in an earlier attempt, or None."""
+    found = _recorded(output_dir)
+    run, calls = found.get("run"), found.get("calls")
+    if job is not None:
+        if found.get("job") != job:
+            return None
+        if isinstance(calls, list):
+            run = calls[call] if call < len(calls) else None
+        elif call > 0:  # a file that lists no calls records the first call's run
+            return None
     return run if isinstance(run, str) else None
 
 
-def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str | None = None) -> None:
-    """Record `run` (started by launch `job`) as output_dir's current run (rank 0, holding the output_dir's
-    lock), atomically."""
+def call_index(output_dir: str, job: str | None, attempt: int) -> int:
+    """Which train() call of its launch's attempt (the launcher's restart count) this is, from 0: one script may
+    train several times into one output_dir, and each call of a restarted script continues its own run. Counted
+    in the run file; a launch with no id cannot be told from another, and counts 0."""
+    found = _recorded(output_dir)
+    if job is None or found.get("job") != job or found.get("attempt") != attempt:
+        return 0
+    taken = found.get("taken")
+    return taken if isinstance(taken, int) and taken > 0 else 0
+
+
+def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str | None = None, attempt: int = 0,
+                 call: int = 0) -> None:
+    """Record `run` (started by launch `job`, its train() call `call` in restart `attempt`) as output_dir's
+    current run (rank 0, holding the output_dir's lock), atomically."""
     os.makedirs(output_dir, exist_ok=True)
+    found = _recorded(output_dir) if job is not None else {}
+    calls = found.get("calls") if found.get("job") == job and isinstance(found.get("calls"), list) else []
+    calls = (calls + [None] * call)[:call] + [run] + calls[call + 1:]
     write_json(os.path.join(output_dir, RUN_FILE), {"run": run, "resumed_from": resumed_from, "job": job,
+                                                     "attempt": attempt, "calls": calls, "taken": call + 1,
                                                      "started": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
-__all__ = ["RUN_FILE", "current_run", "mark_current", "new_run_id"]
+__all__ = ["RUN_FILE", "call_index", "current_run", "mark_current", "new_run_id"]

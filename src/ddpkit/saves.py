@@ -35,8 +35,9 @@ class Saves:
     def exists(self, step: int) -> bool:
         """Whether this run wrote checkpoint-<step>, as rank 0 sees it: every rank must take the same decision,
         also on nodes that do not share a file system (saving is a collective). Another run's checkpoint of that
-        step is none of this run's: a save then renames it aside (checkpoint.py)."""
-        here = self._ours(self.folder(step)) if self.world.is_main else None
+        step is none of this run's: a save then renames it aside (checkpoint.py). This run's own, renamed aside by
+        another's save, counts (a restarted script's first train() call resumed from it)."""
+        here = self._ours(self.own(self.folder(step))) if self.world.is_main else None
         return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
 
     def _ours(self, folder: str) -> bool:
