@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ddpkit.args import TrainingArguments
 from ddpkit.plan import SavedPlan, StepPlan, interval, plan_for, plan_steps, total_steps
+from ddpkit.sampler import remaining_positions
 
 BASE = dict(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=-1,
             num_train_epochs=3, logging_steps=10, eval_steps=0.1, save_steps=500)
@@ -75,13 +76,56 @@ def test_a_resumed_run_asking_for_other_epochs_replans_the_epochs_left():
     assert plan_steps(batches_per_epoch=80, **BASE, resumed=halved).max_steps == 30 + 60  # 1.5 epochs of 40
     assert plan_steps(batches_per_epoch=40, **BASE, resumed=halved._replace(train_batch_size=32)).max_steps == 60
     # The same global batch, but another number of steps an epoch (dataloader_drop_last, with another world size
-    # or accumulation: 10 samples as 1 rank x 2 x 2 steps 3 an epoch, as 2 ranks x 2 x 1 steps 2): from the fraction
-    dropped = SavedPlan(global_step=3, epoch=0.8, max_steps=9, world_size=1, asked=(-1, 3), train_batch_size=4,
+    # or accumulation: 10 samples as 1 rank x 2 x 2 steps 3 an epoch, as 2 ranks x 2 x 1 steps 2): re-planned
+    dropped = SavedPlan(global_step=3, epoch=1.0, max_steps=9, world_size=1, asked=(-1, 3), train_batch_size=4,
                         steps_per_epoch=3)
-    assert total_steps(2, -1, 3, 2, dropped, train_batch_size=4) == 3 + math.ceil(2.2 * 2)
+    assert total_steps(2, -1, 3, 2, dropped, train_batch_size=4) == 3 + 2 * 2  # 2 epochs of 2 steps left
     assert total_steps(3, -1, 3, 1, dropped, train_batch_size=4) == 9  # the same steps an epoch: kept
     # max_steps 0 and -1 both mean "unset": the same arguments
     assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 0}, resumed=saved).max_steps == 60
+
+
+def _drop_last_epoch(n: int, ranks: int, batch: int, accumulation: int, consumed: int = 0) -> tuple[int, int]:
+    """(steps, samples) of what is left of an epoch of n samples after `consumed`, as the Trainer takes it with
+    dataloader_drop_last: the sampler pads to a multiple of the ranks, each rank's DataLoader drops its short
+    batch, and an epoch's last window may be short (a step too)."""
+    batches = remaining_positions(n, ranks, consumed) // ranks // batch
+    return math.ceil(batches / accumulation), batches * batch * ranks
+
+
+@pytest.mark.parametrize("step", [6, 9])  # the end of epoch 0 (its 96 samples of 100), 3 steps into epoch 1
+@pytest.mark.parametrize("ranks, accumulation", [(3, 1), (2, 2)])  # resumed on 3 ranks, or accumulating 2
+def test_a_run_with_dropped_tails_resumed_with_another_step_size_ends_with_the_epochs_asked(step, ranks,
+                                                                                           accumulation):
+    # 100 samples, batch 8 on 2 ranks: 50 a rank, 6 batches (2 samples a rank dropped), 6 steps an epoch of 96
+    # samples; the loop's epoch fraction (consumed / 100) ends each epoch at 0.96, never at a whole epoch.
+    n, epochs = 100, 3
+    per_epoch, samples = _drop_last_epoch(n, 2, 8, 1)
+    done, rest = divmod(step, per_epoch)
+    consumed = rest * 16
+    saved = SavedPlan(global_step=step, epoch=done - 1 + samples / n if not rest else done + consumed / n,
+                      max_steps=epochs * per_epoch, world_size=2, asked=(-1, epochs), train_batch_size=16,
+                      steps_per_epoch=per_epoch)
+    # Resumed with another step size and the same epochs asked, the run ends where the epochs end: the rest of
+    # the saved epoch, then the whole epochs left, at the new step size (3 ranks: 4 steps an epoch; 2: 3).
+    new_per_epoch = _drop_last_epoch(n, ranks, 8, accumulation)[0]
+    rest_steps = _drop_last_epoch(n, ranks, 8, accumulation, consumed)[0] if rest else 0
+    due = step + rest_steps + (epochs - 1 - done if rest else epochs - done) * new_per_epoch
+    plan = plan_steps(batches_per_epoch=new_per_epoch * accumulation, **{**BASE, "world_size": ranks,
+                      "gradient_accumulation_steps": accumulation}, resumed=saved)
+    assert plan.max_steps == due, (plan.max_steps, due)
+    assert (step, ranks, accumulation, due) in {(6, 3, 1, 14), (6, 2, 2, 12), (9, 3, 1, 15), (9, 2, 2, 14)}
+
+
+def test_the_epochs_done_are_the_saved_fraction_where_the_saved_steps_do_not_count_them():
+    # The end of epoch 0 as above (6 steps of 100 samples, 0.96), resumed on 3 ranks (4 steps an epoch).
+    saved = SavedPlan(global_step=6, epoch=0.96, max_steps=18, world_size=2, asked=(-1, 3), train_batch_size=16,
+                      steps_per_epoch=6)
+    assert total_steps(4, -1, 3, 3, saved, train_batch_size=24) == 6 + 8  # 6 steps of 6: one epoch done
+    # Its steps per epoch unknown (an older checkpoint), its total one an earlier resume re-planned (steps of
+    # another size before), or its steps past the epoch of its fraction: the fraction, 2.04 epochs of 4 steps.
+    for other in (saved._replace(steps_per_epoch=0), saved._replace(max_steps=15), saved._replace(global_step=12)):
+        assert total_steps(4, -1, 3, 3, other, train_batch_size=24) == other.global_step + 9, other
 
 
 def test_max_steps_wins_over_a_resumed_plan():

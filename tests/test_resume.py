@@ -201,6 +201,28 @@ def test_training_by_epochs_resumed_on_another_world_size_covers_every_epoch(tmp
     assert sorted(epoch0) == list(range(24)) and sorted(epoch1) == list(range(24))
 
 
+def dropped_tails_across_worlds(world, out, resume):
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_train_epochs=2, save_strategy="epoch", dataloader_drop_last=True)
+    trainer = Recorder(Classifier().double(), args, classification_data(22))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer.seen, trainer.state.global_step
+
+
+def test_dropped_tails_resumed_on_another_world_size_end_with_the_epochs_asked(tmp_path):
+    """22 samples, 2 ranks x 2 x 2 with dataloader_drop_last: 5 batches a rank (a sample each dropped), 3 steps an
+    epoch, whose fraction ends at 20/22. Resumed after epoch 0 on 1 rank (11 batches, 6 steps an epoch), the run
+    ends with epoch 1 at step 9, not a step into a third epoch (2 - 20/22 epochs left would be 7 steps)."""
+    out = str(tmp_path)
+    two = run_world(dropped_tails_across_worlds, 2, args=(out, None), deadline_s=120)
+    assert two[0][1] == 6
+    ((seen, last_step),) = run_world(dropped_tails_across_worlds, 1, args=(out, f"{out}/w2/checkpoint-3"),
+                                     deadline_s=120)
+    assert last_step == 9 and {epoch for _, epoch, _ in seen} == {1}, (last_step, seen)
+    assert sorted(i for _, _, ids in seen for i in ids) == list(range(22))
+
+
 def more_epochs(world, out):
     """One epoch, then the same run resumed asking for two (its second epoch must be trained, not skipped), then
     resumed again asking for two: nothing is left, and rank 0 says so."""

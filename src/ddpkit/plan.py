@@ -83,13 +83,26 @@ def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, w
     # Another step size, or a plan an earlier resume on another world size made: the steps left are re-planned
     # from the epochs left; the learning-rate schedule is stretched or shrunk to the new total. round(): an
     # epoch fraction saved as a float must not turn 10 steps into 11 ((1 - 1/3) * 15 is 10.000000000000002).
-    left = max(0.0, num_train_epochs - resumed.epoch)
+    left = max(0.0, num_train_epochs - _epochs_done(resumed))
     return resumed.global_step + math.ceil(round(left * steps_per_epoch, 6))
 
 
 def _planned(asked: tuple[int, float], steps_per_epoch: int) -> int:
     """The total a plan from the first step makes of these arguments, with these steps per epoch."""
     return asked[0] if asked[0] > 0 else math.ceil(asked[1] * steps_per_epoch)
+
+
+def _epochs_done(resumed: SavedPlan) -> float:
+    """The epochs the saved run trained: counted in its steps where they all had its saved steps per epoch (its
+    plan was made from the first step with them, and the steps fall in the epoch its fraction is in), else its
+    epoch fraction. The fraction counts samples, and never reaches a whole epoch when dataloader_drop_last drops
+    the tail: 100 samples in batches of 8 on 2 ranks end each epoch at 0.96, and 2.04 epochs left of 3 would
+    plan a step of a fourth."""
+    per_epoch, fraction = resumed.steps_per_epoch, resumed.epoch
+    if not per_epoch or resumed.asked is None or resumed.max_steps != _planned(resumed.asked, per_epoch):
+        return fraction
+    steps = resumed.global_step / per_epoch
+    return steps if math.floor(fraction) <= steps <= math.floor(fraction) + 1 else fraction
 
 
 def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batch_size: int,
