@@ -273,6 +273,7 @@ def test_a_restarted_script_that_trains_twice_continues_each_call_in_its_own_run
     again_b = _train(out, max_steps=6, job="L", restart=1, learning_rate=0.02)
     straight_b = _train(f"{out}-straight", max_steps=6, learning_rate=0.02)
     assert again_a[0] == [] and again_b[0] == [5, 6], (again_a[0], again_b[0])
+    assert not any("nothing is left to train" in w for w in again_a[2]), again_a[2]  # a finished call: no news
     for got, want in zip(again_a[1], a[1]):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(again_b[1], straight_b[1]):

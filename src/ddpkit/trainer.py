@@ -176,7 +176,8 @@ class Trainer(EvaluationMixin):
         plan = plan_for(self.args, batches, self.world.world_size, saved)
         for name, value in plan._asdict().items():
             setattr(self.state, name, value)
-        if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main:
+        # (Not on a restart: a restarted script's train() call that had finished takes up its last checkpoint.)
+        if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main and not self.world.restart:
             warnings.warn(f"the checkpoint is at step {saved.global_step}, where this run's plan ends (max_steps "
                           f"{plan.max_steps}): nothing is left to train. To train on, raise --max_steps or "
                           "--num_train_epochs", RuntimeWarning, stacklevel=4)
