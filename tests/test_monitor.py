@@ -157,17 +157,25 @@ CRASHING_SCRIPT = textwrap.dedent("""
     try:
         while True:  # rank 0 computes, never reaching a collective that could fail
             sum(range(10000))
-    except ddpkit.PeerFailedError:
-        print(f"stopped after {time.monotonic() - start:.1f} s", flush=True)
+    except ddpkit.PeerFailedError as exc:
+        print(f"stopped after {time.monotonic() - start:.1f} s: {exc}", flush=True)
         raise SystemExit(3)
 """)
 
 
-def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
+CRASHING_IN_A_COLLECTIVE = CRASHING_SCRIPT.replace(
+    "    while True:  # rank 0 computes, never reaching a collective that could fail\n"
+    "        sum(range(10000))\n",
+    "    ddpkit.Comm.for_group().all_reduce(torch.ones(1), 'waiting for rank 1')\n")
+assert CRASHING_IN_A_COLLECTIVE != CRASHING_SCRIPT
+
+
+def _two_ranks(script_text, tmp_path):
+    """Run a script as ranks 0 and 1 of a gloo job; their return codes and (stdout, stderr)."""
     from ddpkit.env import free_port
 
     script = tmp_path / "crash.py"
-    script.write_text(CRASHING_SCRIPT)
+    script.write_text(script_text)
     port = free_port()
     procs = []
     try:
@@ -183,12 +191,21 @@ def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    (out0, err0), (out1, err1) = outputs
-    assert procs[1].returncode != 0 and "rank one blew up" in err1
-    assert procs[0].returncode == 3, (out0, err0)
+    return [proc.returncode for proc in procs], outputs
+
+
+def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
+    codes, ((out0, err0), (out1, err1)) = _two_ranks(CRASHING_SCRIPT, tmp_path)
+    assert codes[1] != 0 and "rank one blew up" in err1
+    assert codes[0] == 3, (out0, err0)
     stopped = float(out0.split("stopped after ")[1].split(" s")[0])
     assert stopped < 10, f"rank 0 took {stopped} s to stop"
     assert "rank 1 failed" in err0 and "rank one blew up" in err0, err0
+    # Waiting in a collective when rank 1 dies, rank 0 raises what broke it, not gloo's "Connection closed by peer"
+    codes, ((out0, err0), _) = _two_ranks(CRASHING_IN_A_COLLECTIVE, tmp_path)
+    assert codes[0] == 3, (out0, err0)
+    assert ("rank 1 failed with ValueError: rank one blew up in its step, so rank 0 stops. Rank 0 was in collective "
+            "#2 all_reduce (waiting for rank 1)") in out0, (out0, err0)
 
 
 HANDLED_PEER_FAILURE = textwrap.dedent("""

@@ -159,6 +159,15 @@ def left_deadlock(mine: State, left: dict[int, dict[str, Any]]) -> str | None:
     return "\n".join(lines)
 
 
+def peer_failed(rank: int, text: str, me: int, waiting: Any = None) -> str:
+    """What rank `me` raises when rank `rank` died of an exception (its posted traceback, `text`): that
+    exception's last line (the launcher shows the whole traceback as the root cause), and the collective `me`
+    waited in, if any (waiting: its (seq, op, what, ...))."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    where = f" Rank {me} was in collective #{waiting[0]} {waiting[1]} ({waiting[2]})." if waiting else ""
+    return f"rank {rank} failed with {lines[-1].strip() if lines else 'an exception'}, so rank {me} stops.{where}"
+
+
 def left_early(marker: dict[str, Any]) -> str:
     """'rank 1 left the job early (...) after collective #12 all_reduce (logged loss)'."""
     after = f"after collective #{marker['seq']} {marker['what']}" if marker["seq"] else "before any collective"

@@ -15,10 +15,12 @@ The file's format is the one ``torch.distributed.elastic.multiprocessing.errors.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -56,6 +58,26 @@ class PeerVanishedError(PeerLeftError):
 EXPLAINING_ERRORS = ("DeadlockError", "PeerLeftError")
 
 _installed = False
+
+
+def raise_in_thread(thread: threading.Thread, kind: type[BaseException]) -> None:
+    """Raise `kind` in `thread` the next time it runs Python code (a peer's failure, in the main thread). Python
+    raises a class there, made without arguments: `carrying` gives it a message."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
+
+
+def carrying(kind: type[BaseException], message: str) -> type[BaseException]:
+    """A subclass of `kind`, named like it, whose instances made without arguments carry `message`; they pickle
+    as plain `kind` instances."""
+
+    def __init__(self: BaseException, *args: object) -> None:
+        kind.__init__(self, *(args or (message,)))
+
+    def __reduce__(self: BaseException) -> tuple:
+        return kind, self.args
+
+    return type(kind.__name__, (kind,), {"__init__": __init__, "__reduce__": __reduce__,
+                                         "__module__": kind.__module__, "__qualname__": kind.__qualname__})
 
 
 def error_record(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> dict:

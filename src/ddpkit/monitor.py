@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import hashlib
-import json
 import os
 import socket
 import sys
@@ -43,8 +41,10 @@ from typing import Any
 import torch.distributed as dist
 
 from . import diagnosis
+from .board import Board
 from .diagnosis import default_threshold, indent
-from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError, record_unraised
+from .errors import (DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError, carrying,
+                     raise_in_thread, record_unraised)
 from .unfinished import DeviceWait, Unfinished
 
 # How often each rank publishes its state and looks for failed peers (seconds). One store round trip and one
@@ -102,11 +102,10 @@ class StallMonitor:
     def __init__(self, store: dist.Store, rank: int, world_size: int, threshold_s: float, prefix: str = "",
                  poll_s: float = POLL_S, exit_on_peer_failure: bool = True,
                  grace_s: float = PEER_FAILURE_GRACE_S):
-        self.store = store
         self.rank = rank
         self.world_size = world_size
         self.threshold_s = threshold_s
-        self.prefix = f"ddpkit/monitor/{prefix}"
+        self.board = Board(store, f"ddpkit/monitor/{prefix}", rank, world_size)  # what the ranks post (board.py)
         self.poll_s = poll_s
         self.exit_on_peer_failure = exit_on_peer_failure
         self.grace_s = grace_s  # how long a main thread told of a failure may take to stop by itself
@@ -144,10 +143,12 @@ class StallMonitor:
         self.waiting = (record.seq, record.op, record.what, time.monotonic(), self.waits)
 
     def wait_ended(self, record: Any, error: BaseException | None) -> BaseException | None:
-        waiting, self.waiting = self.waiting, None
-        explanation = None
-        if error is not None and waiting is not None:
-            explanation = self._explain_failure(record, error, time.monotonic() - waiting[3])
+        waiting, explanation = self.waiting, None
+        try:  # still waiting while explaining: a peer's failure told meanwhile names this collective
+            if error is not None and waiting is not None:
+                explanation = self._explain_failure(record, error, time.monotonic() - waiting[3])
+        finally:
+            self.waiting = None
         self.diagnosis = None
         return explanation
 
@@ -176,8 +177,7 @@ class StallMonitor:
             marker = {"rank": self.rank, "how": how, "seq": last.seq if last else 0,
                       "what": f"{last.op} ({last.what})" if last else ""}
             try:
-                self.store.set(f"{self.prefix}left/{self.rank}", json.dumps(marker))
-                self.store.add(f"{self.prefix}left", 1)
+                self.board.post_left(marker)
             except Exception:  # noqa: BLE001 - the store left with rank 0: nobody is left to tell
                 pass
 
@@ -191,14 +191,19 @@ class StallMonitor:
                                                                                          PeerLeftError)):
             return None
         try:
-            report = self.deadlock or self._posted_deadlock()
-            left = {} if report else self._left_peers()
-            gone = None if report or left or self._failed_peer() else diagnosis.vanished(self._states(), self.rank,
-                                                                                         diagnosis.process_space())
+            report = self.deadlock or self.board.deadlock()
+            failed = None if report else self.board.failed_peer()
+            left = {} if report or failed else self.board.left_peers()
+            gone = None if report or left or failed else diagnosis.vanished(self.board.states(), self.rank,
+                                                                            diagnosis.process_space())
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
-            report, left, gone = self.deadlock, {}, None
+            report, failed, left, gone = self.deadlock, None, {}, None
         if report:
             return DeadlockError(f"{report}\n(the collective failed with: {error})")
+        if failed:  # the peer's exception broke the collective: say so, not only that its connection closed
+            where = (record.seq, record.op, record.what)
+            return PeerFailedError(f"{diagnosis.peer_failed(*failed, self.rank, where)}\n(the collective failed "
+                                   f"with: {error})")
         waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
         if left or gone:
             found = "; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in left.values()) if left else gone
@@ -241,10 +246,10 @@ class StallMonitor:
         """Publish, look for failed peers, certain deadlocks and stalls; False when the thread's work is done."""
         self._settle()
         mine = self._state()
-        self.store.set(f"{self.prefix}state/{self.rank}", json.dumps(mine))
+        self.board.post("state", mine)
         if self._stop.is_set():
             return False
-        failed = self._failed_peer()
+        failed = self.board.failed_peer()
         if failed is not None:
             self._on_peer_failure(*failed)
             return False
@@ -252,13 +257,13 @@ class StallMonitor:
         if waiting is None or self._stop.is_set():
             self._previous = {}
             return not self._stop.is_set()
-        states = self._states()
+        states = self.board.states()
         states[self.rank] = mine
         report = diagnosis.mismatch_deadlock(self._previous, states)
         # One rank ends a mismatch, the others then raise it; a rank left behind by one that left ends itself.
         kind, ender = DeadlockError, self.rank == max(states)
         if report is None:
-            report, kind, ender = diagnosis.left_deadlock(mine, self._left_peers()), PeerLeftError, True
+            report, kind, ender = diagnosis.left_deadlock(mine, self.board.left_peers()), PeerLeftError, True
         self._previous = states
         if report is not None:
             self._end_deadlock(kind(report), waiting, ender)
@@ -299,32 +304,12 @@ class StallMonitor:
                 "done_seq": self.done_seq, "done_what": self.done_what,
                 "issued": [[r.seq, r.op, r.what] for r in list(self.issued_recent)], "stack": stack}
 
-    def _read(self, kind: str) -> dict[int, Any]:
-        """Every rank's posted `kind` (state, left), decoded; ranks that posted none are left out."""
-        keys = [f"{self.prefix}{kind}/{rank}" for rank in range(self.world_size)]
-        if self.store.check(keys):  # all there: one round trip
-            return {rank: json.loads(value) for rank, value in enumerate(self.store.multi_get(keys))}
-        return {rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys) if self.store.check([key])}
-
-    def _states(self) -> dict[int, dict[str, Any] | None]:
-        found = self._read("state")
-        return {rank: found.get(rank) for rank in range(self.world_size)}
-
-    def _left_peers(self) -> dict[int, dict[str, Any]]:
-        if self.store.add(f"{self.prefix}left", 0) == 0:
-            return {}
-        return {rank: marker for rank, marker in self._read("left").items() if rank != self.rank}
-
-    def _posted_deadlock(self) -> str | None:
-        key = f"{self.prefix}deadlock"
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
-
     def explain(self) -> str:
         """What every rank is doing while this one waits: who never arrived, who called something else."""
         me = self._state()
         if me["waiting"] is None:
             return "not waiting in any collective"
-        states = self._states()
+        states = self.board.states()
         states[self.rank] = me
         return diagnosis.explain(self.rank, states)
 
@@ -336,7 +321,7 @@ class StallMonitor:
         self.deadlock = report
         self.diagnosis = (waiting["seq"], report)
         try:
-            self.store.set(f"{self.prefix}deadlock", report)
+            self.board.post_deadlock(report)
         except Exception:  # noqa: BLE001 - the report is printed and recorded below all the same
             pass
         print(f"[ddpkit rank {self.rank}] {report}\n[ddpkit rank {self.rank}] no rank can progress: ending the "
@@ -360,27 +345,18 @@ class StallMonitor:
         if not issubclass(kind, (KeyboardInterrupt, PeerFailedError)):
             text = "".join(traceback.format_exception(kind, value, tb))
             try:
-                self.store.set(f"{self.prefix}failed/{self.rank}", text)
-                self.store.add(f"{self.prefix}failures", 1)
+                self.board.post_failure(text)
             except Exception:  # noqa: BLE001 - reporting must never mask the original error
                 pass
         self._previous_excepthook(kind, value, tb)
-
-    def _failed_peer(self) -> tuple[int, str] | None:
-        if self.store.add(f"{self.prefix}failures", 0) == 0:
-            return None
-        for rank in range(self.world_size):
-            key = f"{self.prefix}failed/{rank}"
-            if rank != self.rank and self.store.check([key]):
-                return rank, self.store.get(key).decode(errors="replace")
-        return None
 
     def _on_peer_failure(self, rank: int, text: str) -> None:
         message = f"rank {rank} failed, so rank {self.rank} stops. Rank {rank}'s error:\n{indent(text)}"
         print(f"[ddpkit rank {self.rank}] {message}", file=sys.stderr, flush=True)
         if not self.exit_on_peer_failure:
             return
-        _raise_in_thread(self.main_thread, PeerFailedError)
+        raise_in_thread(self.main_thread, carrying(PeerFailedError, diagnosis.peer_failed(rank, text, self.rank,
+                                                                                 self._current_wait())))
         # Wait on our own stop event, not on the main thread: at exit, close() must find this thread gone.
         while not self._stop.wait(self.grace_s):
             if not self.main_thread.is_alive():
@@ -393,7 +369,3 @@ class StallMonitor:
                 os._exit(1)
             # Otherwise the main thread handles the error in Python (an emergency checkpoint, say): let it.
 
-
-def _raise_in_thread(thread: threading.Thread, kind: type[BaseException]) -> None:
-    """Raise `kind` in `thread` the next time it runs Python code."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
