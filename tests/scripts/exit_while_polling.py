@@ -4,7 +4,7 @@ GIL back ("terminate called without an active exception", SIGABRT) in about half
 
     python tests/scripts/exit_while_polling.py      # prints "exiting", exits 0
 """
-import datetime, sys, time
+import datetime, time
 import torch.distributed as dist
 from ddpkit.monitor import StallMonitor
 from ddpkit.env import free_port
