@@ -324,3 +324,72 @@ def test_user_paths_around_a_sharded_model():
         assert all(reloaded.values()), f"rank {rank}: saved and loaded equal to the parameters: {reloaded}"
         assert all(first.values()), f"rank {rank}: torch.save of one parameter: {first}"
         assert warned == [__file__], f"rank {rank}: warnings when only the inner module was cleared: {warned}"
+
+
+class Branch(nn.Module):
+    """A side layer used only at the first step, on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.side, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, side):
+        h = torch.tanh(self.trunk(x))
+        return self.head(h + torch.tanh(self.side(h)) if side else h)
+
+
+def _stage2_against_plain(world, prepare, steps, set_to_none=True):
+    """Train a stage-2 model and the plain DDP one side by side: the largest parameter difference after each
+    step. prepare(optimizer, index): called once after construction (index 0 plain, 1 stage 2)."""
+    import ddpkit
+
+    runs = []
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        module = Branch()
+        model = ddpkit.DistributedDataParallel(module, zero_stage=stage)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if stage == 0 else
+               ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
+        prepare(opt, len(runs))
+        runs.append((module, model, opt))
+    errors = []
+    for step in steps:
+        for module, model, opt in runs:
+            opt.zero_grad(set_to_none=set_to_none)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + world.rank))
+            model(x, side=step == 0).square().mean().backward()
+            opt.step()
+        errors.append(max((a - b).abs().max().item() for a, b in zip(*(r[0].parameters() for r in runs))))
+    return errors, [r[2].param_groups[0]["lr"] for r in runs]
+
+
+def optimizer_surface_under_stage_2(world):
+    import copy
+
+    out = {"kept zeros": _stage2_against_plain(world, lambda opt, i: None, range(3), set_to_none=False)[0]}
+    # A state loaded before stage 2's first step (deferred until its shards are known) puts its hyperparameters
+    # in param_groups at once, and a learning rate set after the load stays.
+    saved = {}
+
+    def first(opt, index):
+        if index == 0:
+            saved.update(copy.deepcopy(opt.state_dict()))
+
+    _stage2_against_plain(world, first, range(1))  # an AdamW state (lr 1e-2) after one step
+
+    def load_then_lower(opt, index):
+        opt.load_state_dict(copy.deepcopy(saved))
+        assert opt.param_groups[0]["lr"] == 1e-2
+        opt.param_groups[0]["lr"] = 1e-4
+
+    out["loaded"] = _stage2_against_plain(world, load_then_lower, range(1, 3))
+    return out
+
+
+def test_stage_2_keeps_zeroed_shards_and_loads_hyperparameters_at_once():
+    for got in run_world(optimizer_surface_under_stage_2, 2, deadline_s=120):
+        # zero_grad(set_to_none=False): the side layer, unused after step 0, is still stepped (weight decay,
+        # momentum) with a zero gradient, as the unsharded AdamW steps every parameter whose .grad is set
+        assert got["kept zeros"] == [0.0, 0.0, 0.0], got
+        errors, lrs = got["loaded"]
+        assert errors == [0.0, 0.0] and lrs == [1e-4, 1e-4], got

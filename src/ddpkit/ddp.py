@@ -317,7 +317,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         with torch._C.DisableTorchFunctionSubclass():
             super().zero_grad(set_to_none)
         if self._grad_shards is not None:
-            self._grad_shards.zero_grad()
+            self._grad_shards.zero_grad(set_to_none)
 
     def check_replicas(self, what: str = "replica check") -> None:
         """Fail on every rank, naming the first diverging rank and parameter, if any replica differs from rank 0's.

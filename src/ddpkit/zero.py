@@ -41,7 +41,7 @@ from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
-from .zero_state import COUNT_KEYS, slice_state, whole_pieces, whole_state_dict
+from .zero_state import local_state_dict, slice_state, whole_pieces, whole_state_dict
 from .zero_unit import Unit, clip_shards_, relending
 
 
@@ -77,6 +77,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._consolidated: dict[str, Any] | None = None
         self._fresh = True  # never stepped nor loaded: its whole state is empty, on every rank
         self._pending_load: Callable[[], None] | None = None  # stage 2: a load that waits for the shards
+        self._hyper_loaded = False  # that load's hyperparameters are in param_groups already
         self._pending_pieces: list = []  # what that load holds: saved again by a save before the first step
         self.optim: torch.optim.Optimizer | None = None
         self._foreach_ok: list[bool] = []  # per local param group: zero_local.foreach_tensors
@@ -147,6 +148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's: the new group is partitioned among the ranks on its own (existing shards do not move)."""
         super().add_param_group(param_group)
+        self._consolidated = None  # gathered for fewer groups: consolidate again
         if self._built and self.grad_shards is not None:
             raise NotImplementedError("add_param_group under zero_stage=2 is not supported: pass every param "
                                       "group to the constructor")
@@ -233,7 +235,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         with torch._C.DisableTorchFunctionSubclass():  # clearing .grad reads no value: in-flight gathers go on
             super().zero_grad(set_to_none)
         if self.grad_shards is not None:
-            self.grad_shards.zero_grad()
+            self.grad_shards.zero_grad(set_to_none)
 
     def _ensure_built(self) -> None:
         if self.grad_shards is not None:
@@ -342,7 +344,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                              f"{[len(g['params']) for g in groups]} parameters per group there, "
                              f"{[len(g['params']) for g in self.param_groups]} here")
         if self.optim is None:  # stage 2 before its first step: loaded when the shards are known
-            self.defer_load(functools.partial(self.load_state_dict, state_dict), whole_pieces(state_dict["state"]))
+            self.defer_load(functools.partial(self.load_state_dict, state_dict), whole_pieces(state_dict["state"]),
+                            groups)
             return
         saved = state_dict["state"]
         pieces = []
@@ -357,35 +360,35 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """The (parameter index, start, stop) ranges whose state this rank keeps (empty until built)."""
         return list(self._slot_of.values())
 
-    def defer_load(self, load: Callable[[], None], pieces: list | None = None) -> bool:
+    def defer_load(self, load: Callable[[], None], pieces: list | None = None,
+                   param_groups: list[dict[str, Any]] | None = None) -> bool:
         """Stage 2 before the first step does not know its shards yet: run `load` once it does. False (and
         nothing deferred) when the shards are known. pieces: the saved pieces `load` reads, [(parameter index,
-        start, stop, state)], which shard_state returns meanwhile (a save before the first step keeps them)."""
+        start, stop, state)], which shard_state returns meanwhile (a save before the first step keeps them).
+        param_groups: the saved hyperparameters, in param_groups at once, as an unsharded load puts them (a
+        scheduler made after the load reads them, a learning rate set by hand after it stays)."""
         if self.optim is not None:
             return False
         self._pending_load, self._pending_pieces, self._fresh = load, list(pieces or ()), False
+        if param_groups is not None:
+            self._set_hyperparameters(param_groups)
+            self._hyper_loaded = True  # the deferred load must not set them again over later changes
         return True
+
+    def _set_hyperparameters(self, param_groups: list[dict[str, Any]]) -> None:
+        for group, saved in zip(self.param_groups, param_groups):
+            group.update({key: value for key, value in saved.items() if key not in ("params", "count")})
 
     def load_shard_state(self, pieces: list[tuple[int, int, int, dict[str, Any]]],
                          param_groups: list[dict[str, Any]]) -> None:
         """Load exactly this rank's pieces [(parameter index, start, stop, state)] and the hyperparameters;
         per-element tensors may come flat (ddpkit.zero_checkpoint writes them so)."""
         self._fresh = False
-        for group, saved in zip(self.param_groups, param_groups):
-            group.update({key: value for key, value in saved.items() if key != "params"})
-        by_range = {(index, start, stop): state for index, start, stop, state in pieces}
-        local_state, local_groups, position = {}, [], 0
-        for group, local in zip(self.param_groups, self.optim.param_groups):
-            numbers = []
-            for tensor in local["params"]:
-                state = by_range.get(self._slot_of[id(tensor)])
-                if state is not None:
-                    local_state[position] = {k: v.view(tensor.shape) if isinstance(v, torch.Tensor) and
-                                             k not in COUNT_KEYS and v.numel() == tensor.numel() and v.dim() > 0
-                                             else v for k, v in state.items()}
-                numbers.append(position)
-                position += 1
-            local_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+        if not self._hyper_loaded:
+            self._set_hyperparameters(param_groups)
+        self._hyper_loaded = False
+        local_state, local_groups = local_state_dict(pieces, self.param_groups, self.optim.param_groups,
+                                                     lambda tensor: self._slot_of[id(tensor)])
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._consolidated = None
 

@@ -109,17 +109,17 @@ def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> Non
     # Opened now (mmap), not when a stage-2 load deferred to the first step runs: a save before that step may
     # replace this very folder, and the optimizer hands these pieces to it meanwhile.
     groups, pieces = _saved_pieces(folder, whole_file)
-    if is_sharded(optimizer) and optimizer.defer_load(lambda: _load(groups, pieces, optimizer), pieces):
-        return
-    _load(groups, pieces, optimizer)
-
-
-def _load(groups: list[dict], pieces: list[tuple[int, int, int, dict]], optimizer: Any) -> None:
     mine = [g["count"] for g in groups]
     theirs = [len(g["params"]) for g in optimizer.param_groups]
     if mine != theirs:
         raise ValueError(f"the checkpoint's optimizer has {mine} parameters per param group, this one {theirs}: "
                          "resume with the same model and optimizer grouping")
+    if is_sharded(optimizer) and optimizer.defer_load(lambda: _load(groups, pieces, optimizer), pieces, groups):
+        return
+    _load(groups, pieces, optimizer)
+
+
+def _load(groups: list[dict], pieces: list[tuple[int, int, int, dict]], optimizer: Any) -> None:
     pieces_of: dict[int, list] = {}
     for piece in pieces:
         pieces_of.setdefault(piece[0], []).append(piece)

@@ -119,9 +119,16 @@ class GradShards:
         tensors += list(self.grads.values()) + [p.grad for p in self.params if p.grad is not None]
         return storage_bytes(tensors)
 
-    def zero_grad(self) -> None:
-        self.grads.clear()
-        self.used.clear()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards. set_to_none=False keeps them, zeroed, as the unsharded .grad stays a zero tensor:
+        a parameter that had a gradient is then stepped with zeros when the next backward gives it none
+        (its weight decay and momentum go on), as torch's optimizers step every parameter whose .grad is set."""
+        if set_to_none:
+            self.grads.clear()
+            self.used.clear()
+        else:
+            for shard in self.grads.values():
+                shard.zero_()
         self.stepped = False
 
     def stepped_on(self) -> None:

@@ -8,6 +8,7 @@ start, stop) instead, which any world size and any partition can read:
     whole_state_dict(pieces, params, groups, whole) torch's state_dict from every rank's pieces
     whole_pieces(state)                             torch's "state" as pieces, each a whole parameter's, flat
     slice_state(state, start, stop, shape, whole)   the piece of one parameter's whole state a rank needs
+    local_state_dict(pieces, groups, local_groups, slot)  a rank's pieces as its local optimizer's state_dict
 
 torch's rule decides what is per element: every tensor shaped like the parameter is, except "step", which is a
 count (torch's Optimizer.load_state_dict makes the same exception).
@@ -15,6 +16,7 @@ count (torch's Optimizer.load_state_dict makes the same exception).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,3 +88,23 @@ def whole_pieces(state: dict[Any, dict[str, Any]]) -> list[tuple[int, int, int, 
         numel = _numel_of(saved)
         pieces.append((int(index), 0, numel, flat_state(saved, numel)))
     return pieces
+def local_state_dict(pieces: list[tuple[int, int, int, dict[str, Any]]], groups: list[dict[str, Any]],
+                     local_groups: list[dict[str, Any]], slot: Callable[[torch.Tensor], tuple[int, int, int]]
+                     ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The ("state", "param_groups") of a rank's local optimizer, whose groups are `local_groups` (each local
+    tensor named by slot(tensor): (parameter index, start, stop)), from its pieces [(parameter index, start,
+    stop, state)] and the hyperparameters of `groups`; per-element tensors may come flat."""
+    by_range = {(index, start, stop): state for index, start, stop, state in pieces}
+    local_state, numbered, position = {}, [], 0
+    for group, local in zip(groups, local_groups):
+        numbers = []
+        for tensor in local["params"]:
+            state = by_range.get(slot(tensor))
+            if state is not None:
+                local_state[position] = {k: v.view(tensor.shape) if isinstance(v, torch.Tensor) and
+                                         k not in COUNT_KEYS and v.numel() == tensor.numel() and v.dim() > 0
+                                         else v for k, v in state.items()}
+            numbers.append(position)
+            position += 1
+        numbered.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+    return local_state, numbered

@@ -187,19 +187,29 @@ def relending(closure: Any, units: list[Unit]) -> Any:
 def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
     norm_type = float(norm_type)
+    if norm_type == 0:  # torch's counts the gradients that are not all zero: a piece cannot tell for its tensor
+        raise ValueError("clip_grad_norm_ over shards takes a norm_type other than 0 (torch's 0-norm counts the "
+                         "parameters whose gradient is not all zero, which no rank's shard can tell)")
     grads = [g for unit in units for g in unit.grads()]
-    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the all-reduce.
+    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the collective.
     wide = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.float32)
     device = units[0].params[0].device if units else torch.device("cpu")
+    extreme = torch.amax if norm_type > 0 else torch.amin  # the inf-norms: the largest or smallest |element|
     if grads:
         norms = torch.stack([n.to(wide) for n in torch._foreach_norm(grads, norm_type)])
-        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        local = extreme(norms) if math.isinf(norm_type) else norms.pow(norm_type).sum()
     else:
         local = torch.zeros((), dtype=wide, device=device)
-    total = local.reshape(1).clone()
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(total, "zero grad norm", op=op)
-    total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+    if math.isinf(norm_type):
+        # Gathered, not all-reduced with MAX or MIN: gloo's drop a NaN that a later rank holds (max(5, nan) is 5
+        # there), and a NaN gradient must give a NaN norm, as torch's does. With it, whether the rank has any.
+        every = comm.all_gather(torch.stack([local, local.new_tensor(float(bool(grads)))]), "zero grad norm")
+        held = every[every[:, 1] > 0, 0]
+        total = extreme(held) if held.numel() else local.new_zeros(())  # no gradient anywhere: 0, as torch's
+    else:
+        total = local.reshape(1).clone()
+        comm.all_reduce(total, "zero grad norm", op=dist.ReduceOp.SUM)
+        total = total[0].pow(1.0 / norm_type)
     # torch's formula: scale by max_norm / (norm + 1e-6), never up.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
