@@ -273,11 +273,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, computed from the shards.
 
-        Each rank takes the norm of the gradient elements its optimizer reads, the ranks combine them (a sum
-        of p-th powers, or a max for the inf-norm) and each rank scales its own shard: 1/N of the work and one
-        number of communication. Only the shard is scaled; the rest of each .grad is left as it was, since
-        this rank's step never reads it. Returns the total norm (the same on every rank).
-        """
+        Each rank takes the norm of the gradient elements its optimizer reads, the ranks combine them (a sum of
+        p-th powers; for +-inf the largest or smallest, a NaN kept) and each rank scales its shard: 1/N of the
+        work, one number each of communication. Only the shard is scaled; the rest of each .grad is left as it
+        was, since this rank's step never reads it. Returns the total norm (the same on every rank)."""
         self._ensure_built()
         return clip_shards_(self.units, self.comm, max_norm, norm_type)
 
