@@ -282,3 +282,32 @@ def test_a_restarted_script_that_trains_twice_continues_each_call_in_its_own_run
     a_id = _run_of(out, "checkpoint-4.run-" + runs.current_run(out, "L", 0))
     names = sorted(n for n in os.listdir(out) if n.startswith("checkpoint"))
     assert names == ["checkpoint-2.run-" + a_id, "checkpoint-4", "checkpoint-4.run-" + a_id, "checkpoint-6"], names
+
+
+def _pretrain_then_continue(out, restart, crash_at=None):
+    """A script whose second train() call resumes the first's checkpoint-6 (so continues its run) to step 10."""
+    torch.manual_seed(0)
+    model = Classifier().double()
+    crash = Crash(None)
+    trainer = Steps(model, trainer_args(out, per_device_train_batch_size=2, max_steps=6, save_strategy="steps",
+                                        save_steps=3), classification_data(24), callbacks=[crash])
+    trainer.world = dataclasses.replace(trainer.world, restart=restart, job="L")
+    trainer.steps = []
+    trainer.train()
+    first = (trainer.steps, params_of(model))
+    trainer.args.max_steps, crash.at, trainer.steps = 10, crash_at, []
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+    return first, (trainer.steps, params_of(model))
+
+
+def test_a_restarted_call_resumes_where_it_ended_not_from_a_later_call_of_its_run(tmp_path, local_world):
+    """The second call continues the first's run and crashes after its checkpoint-9: the restarted first call
+    ends on its own step-6 weights (what the script saves between the calls), not on the second's step 9."""
+    out = str(tmp_path / "out")
+    straight = _pretrain_then_continue(f"{out}-straight", 0)
+    with pytest.raises(RuntimeError, match="crash"):
+        _pretrain_then_continue(out, 0, crash_at=10)
+    first, second = _pretrain_then_continue(out, 1)
+    assert first[0] == [] and second[0] == [10], (first[0], second[0])
+    for got, want in zip(first[1] + second[1], straight[0][1] + straight[1][1]):
+        np.testing.assert_array_equal(got, want)

@@ -65,9 +65,10 @@ def checkpoint_run(path: str) -> str | None:
     return None if marker is None else marker.get("run")
 
 
-def list_checkpoints(output_dir: str, run: str | None = None, renamed: bool = False) -> list[str]:
+def list_checkpoints(output_dir: str, run: str | None = None, renamed: bool = False,
+                     until: int | None = None) -> list[str]:
     """Finished checkpoints in output_dir, oldest (lowest step) first; with `run`, only that run's, and with
-    `renamed` too, also those of its that another run's save renamed aside (aside_name)."""
+    `renamed` too, also those of its that another run's save renamed aside (aside_name); until: none past it."""
     if not os.path.isdir(output_dir):
         return []
     found = []
@@ -79,15 +80,15 @@ def list_checkpoints(output_dir: str, run: str | None = None, renamed: bool = Fa
         aside = _ASIDE.match(name) if renamed and run is not None else None
         if aside is not None and aside.group(2) == run and os.path.isfile(os.path.join(path, MARKER_FILE)):
             found.append((int(aside.group(1)), path))
-    return [path for _, path in sorted(found)]
+    return [path for step, path in sorted(found) if until is None or step <= until]
 
 
-def latest_valid_checkpoint(output_dir: str, run: str | None = None,
-                            renamed: bool = False) -> tuple[str | None, list[tuple[str, list[str]]]]:
-    """The newest checkpoint in output_dir (of `run`, if given; `renamed`: list_checkpoints') that is whole, and
-    the newer ones skipped with what is wrong."""
+def latest_valid_checkpoint(output_dir: str, run: str | None = None, renamed: bool = False,
+                            until: int | None = None) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """The newest checkpoint in output_dir (of `run`, if given; `renamed`, `until`: list_checkpoints') that is
+    whole, and the newer ones skipped with what is wrong."""
     skipped = []
-    for path in reversed(list_checkpoints(output_dir, run, renamed)):
+    for path in reversed(list_checkpoints(output_dir, run, renamed, until)):
         wrong = problems(path)
         if not wrong:
             return path, skipped
@@ -95,10 +96,11 @@ def latest_valid_checkpoint(output_dir: str, run: str | None = None,
     return None, skipped
 
 
-def find_latest_checkpoint(output_dir: str, run: str | None = None, renamed: bool = False) -> str | None:
-    """The newest whole checkpoint in output_dir (of `run`, if given; `renamed`: list_checkpoints'; None: there
-    is none); a newer corrupt one is skipped with a warning that names what is wrong with it."""
-    path, skipped = latest_valid_checkpoint(output_dir, run, renamed)
+def find_latest_checkpoint(output_dir: str, run: str | None = None, renamed: bool = False,
+                           until: int | None = None) -> str | None:
+    """The newest whole checkpoint in output_dir (of `run`, if given; `renamed`, `until`: list_checkpoints';
+    None: there is none); a newer corrupt one is skipped with a warning that names what is wrong with it."""
+    path, skipped = latest_valid_checkpoint(output_dir, run, renamed, until)
     for bad, wrong in skipped:
         warnings.warn(f"skipping the corrupt checkpoint {bad}: {'; '.join(wrong)}"
                       + (f"; resuming from {path}" if path else ""), RuntimeWarning, stacklevel=2)

@@ -59,6 +59,7 @@ class RunChoice:
     run: str
     others: tuple[str, ...] = ()
     behind: str | None = None
+    call: int = 0  # which train() call of its script into output_dir (runs.call_index)
 
 
 def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job: str | None = None,
@@ -70,7 +71,10 @@ def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job
     if restart > 0 and (own is not None or job is None):  # else this launch never recorded a run: as a first try
         # Its own, also those a later run's save renamed aside (a script's second train() call into output_dir
         # does so to its first's); no run file: any run's, as before runs.
-        latest = checkpoint.find_latest_checkpoint(output_dir, own, renamed=True)
+        # A call that finished in an earlier attempt resumes where it ended, not from a later call's checkpoint
+        # of the same run (a second call that resumed the first's checkpoint continues its run).
+        until = runs.call_end(output_dir, job, call) if own is not None else None
+        latest = checkpoint.find_latest_checkpoint(output_dir, own, renamed=True, until=until)
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
         named_step = checkpoint.folder_step(named) if named is not None else None
         path = latest if latest is not None and (named_step is None or checkpoint.folder_step(latest) >
@@ -131,7 +135,7 @@ def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm
         # The call's first choice: its first attempt, or a restart of one that failed before choosing.
         first = world.restart == 0 or (world.job is not None and runs.current_run(output_dir, world.job, call) is None)
         try:
-            outcome = choose_run(resume, output_dir, world.restart, world.job, call)
+            outcome = dataclasses.replace(choose_run(resume, output_dir, world.restart, world.job, call), call=call)
             if outcome.path is not None and checkpoint.folder_step(outcome.path) is None:
                 raise FileNotFoundError(f"{outcome.path} is not a finished checkpoint folder ({checkpoint.PREFIX}-"
                                         "<step> holding its completion marker); resume from another one")
@@ -147,6 +151,20 @@ def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm
     if world.is_main and first:
         _warn_about_others(shared, output_dir)
     return shared
+
+
+def end_run(output_dir: str, world: Any, choice: RunChoice, step: int) -> None:
+    """Rank 0, when a train() call finished at `step`: recorded, so that a restart of the script resumes that
+    call from no later checkpoint of its run (runs.mark_ended). A failure to record it only warns: the restart
+    then takes the run's newest, as before."""
+    if not world.is_main or world.job is None:
+        return
+    try:
+        runs.mark_ended(output_dir, world.job, choice.call, step)
+    except OSError as exc:
+        warnings.warn(f"could not record in {output_dir} that this train() call ended at step {step} ({exc}): a "
+                      "restart of this script resumes this call from its run's newest checkpoint", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _shareable(outcome: Any, output_dir: str) -> Any:

@@ -5,6 +5,7 @@
     current_run(output_dir, job)                # what a restart of that launch continues: this id
     call = call_index(output_dir, job, attempt) # the script's second train() call into output_dir: 1
     current_run(output_dir, job, call)          # what that call continues after a restart: its own run
+    mark_ended(output_dir, job, call, step)     # the call finished there: its restart resumes no newer one
 
 Two runs that share an output_dir one after the other (a fresh run started where an earlier one left its
 checkpoints) must not mix: a restart of the second (--max-restarts) resuming from the first's newer checkpoint
@@ -72,6 +73,25 @@ def call_index(output_dir: str, job: str | None, attempt: int) -> int:
     return taken if isinstance(taken, int) and taken > 0 else 0
 
 
+def call_end(output_dir: str, job: str | None, call: int) -> int | None:
+    """The step at which train() call `call` of launch `job` finished in an earlier attempt (mark_ended), or
+    None: a later call that continued its run (resuming its checkpoint) may have saved newer ones since."""
+    found = _recorded(output_dir)
+    ends = found.get("ends") if job is not None and found.get("job") == job else None
+    end = ends[call] if isinstance(ends, list) and call < len(ends) else None
+    return end if isinstance(end, int) else None
+
+
+def mark_ended(output_dir: str, job: str | None, call: int, step: int) -> None:
+    """Record that train() call `call` of launch `job` finished at `step` (rank 0, holding the lock)."""
+    found = _recorded(output_dir)
+    if job is None or found.get("job") != job:
+        return
+    ends = found.get("ends") if isinstance(found.get("ends"), list) else []
+    found["ends"] = (ends + [None] * call)[:call] + [step] + ends[call + 1:]
+    write_json(os.path.join(output_dir, RUN_FILE), found)
+
+
 def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str | None = None, attempt: int = 0,
                  call: int = 0) -> None:
     """Record `run` (started by launch `job`, its train() call `call` in restart `attempt`) as output_dir's
@@ -80,9 +100,10 @@ def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str |
     found = _recorded(output_dir) if job is not None else {}
     calls = found.get("calls") if found.get("job") == job and isinstance(found.get("calls"), list) else []
     calls = (calls + [None] * call)[:call] + [run] + calls[call + 1:]
+    ends = found.get("ends") if found.get("job") == job and isinstance(found.get("ends"), list) else []
     write_json(os.path.join(output_dir, RUN_FILE), {"run": run, "resumed_from": resumed_from, "job": job,
                                                      "attempt": attempt, "calls": calls, "taken": call + 1,
-                                                     "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+                                                     "ends": ends, "started": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
-__all__ = ["RUN_FILE", "call_index", "current_run", "mark_current", "new_run_id"]
+__all__ = ["RUN_FILE", "call_end", "call_index", "current_run", "mark_current", "mark_ended", "new_run_id"]

@@ -230,6 +230,7 @@ class Trainer(EvaluationMixin):
                 return TrainOutput(self.state.global_step, self._loss.mean(),
                                    {**run.summary(self._loss.mean()), "stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
+        resume.end_run(self.args.output_dir, self.world, choice, self.state.global_step)
         step.wait_for_params(self.optimizer)  # stage 2's last all-gathers must not land on the loaded weights
         self.saves.load_best(self.model, self.state)
         metrics = run.summary(self._loss.mean())
