@@ -69,10 +69,9 @@ def choose_run(resume: str | bool | None, output_dir: str, restart: int = 0, job
     output_dir this is (runs.call_index), each of which continues its own run after a restart."""
     own = runs.current_run(output_dir, job, call) if restart > 0 else None
     if restart > 0 and (own is not None or job is None):  # else this launch never recorded a run: as a first try
-        # Its own, also those a later run's save renamed aside (a script's second train() call into output_dir
-        # does so to its first's); no run file: any run's, as before runs.
-        # A call that finished in an earlier attempt resumes where it ended, not from a later call's checkpoint
-        # of the same run (a second call that resumed the first's checkpoint continues its run).
+        # Its own checkpoints, also those a later run's save renamed aside (a script's second train() call into
+        # output_dir does so to its first's), and none past the step where this call ended in an earlier attempt
+        # (a second call that resumed the first's checkpoint continues its run); no run file: any run's.
         until = runs.call_end(output_dir, job, call) if own is not None else None
         latest = checkpoint.find_latest_checkpoint(output_dir, own, renamed=True, until=until)
         named = resume if isinstance(resume, str) and os.path.isdir(resume) else None
