@@ -219,3 +219,30 @@ def test_stateful_callbacks_are_saved_and_restored_only_when_asked(tmp_path, loc
                            **schedule)
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
         assert again.evaluations == expected, restore
+
+
+class OnLogDecides(TrainerCallback):
+    """Rank 0's on_log asks for an evaluation at step 2, a save at step 3 and a stop at step 4; rank 1's asks for
+    nothing. The flags are set after the step's own agreement, in the log that follows it."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.rank == 0 and "loss" in (logs or {}):
+            control.should_evaluate = control.should_evaluate or state.global_step == 2
+            control.should_save = control.should_save or state.global_step == 3
+            control.should_training_stop = state.global_step == 4
+
+
+def on_log_world(world, out):
+    trainer = _trainer(out, [OnLogDecides(world.rank)])
+    trainer.train()
+    return ([e["step"] for e in trainer.state.log_history if "eval_loss" in e], trainer.state.global_step,
+            sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")))
+
+
+def test_flags_set_in_on_log_on_rank_zero_take_effect_on_every_rank(tmp_path):
+    # Before, they were never agreed: rank 0 evaluated alone (a collective mismatch) or stopped alone.
+    assert run_world(on_log_world, world_size=2, args=(str(tmp_path),), collective_timeout_s=20,
+                     stall_seconds=5) == [([2], 4, ["checkpoint-3"])] * 2

@@ -7,8 +7,9 @@ It is the Trainer's own loop, split from it: it reads and writes the trainer's s
 done (training_step, evaluate, saving, log) to the trainer, whose methods a subclass may override.
 
 A step ends in this order on every rank alike: on_step_end, then the control the callbacks set is taken from rank
-0 (callbacks.Agreement), then the loss is logged when due or asked, then evaluation and save when due or asked,
-then the loop stops when a rank was signalled (window.stop) or a callback asked (should_training_stop).
+0 (callbacks.Agreement), then the loss is logged when due or asked (and, when it was, the control on_log left is
+taken from rank 0 again), then evaluation and save when due or asked, then the loop stops when a rank was
+signalled (window.stop) or a callback asked (should_training_stop).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class TrainingLoop:
             t._loss.settle_now(t.comm, t.world, "logged loss")
             t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": t._learning_rate(),
                    "samples_per_second": run.clock.lap()})
+            t._agreement.settle(t.control, f"the log of step {step}")  # what on_log asked is rank 0's too
         run.show(t.state.last_logged("loss"), logged=logging)
         every = t.args.ddp_replica_check_steps
         ddp = ddp_of(t.model_wrapped)  # torch_compile: the wrapper inside the compiled module
