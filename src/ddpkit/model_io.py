@@ -7,6 +7,7 @@ object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,17 +83,48 @@ def batch_len(batch: Any) -> int:
     return 1
 
 
-def count_items(batch: Any) -> int:
-    """How many items a batch's mean loss averages: labels other than -100, or else samples."""
+def count_items(batch: Any, shifted: bool = False) -> int:
+    """How many items a batch's mean loss averages: labels other than -100, or else samples. Transformers' rule
+    for which labels: the batch's "shift_labels" if it has them, else labels[..., 1:] where the model's loss
+    shifts them (`shifted`: position 0 of a row is never a target), else the labels."""
     labels = labels_of(batch)
-    if labels is not None:
-        return int((labels != IGNORE_INDEX).sum())
-    return batch_len(batch)
+    if labels is None:
+        return batch_len(batch)
+    shift = batch.get("shift_labels")
+    if isinstance(shift, torch.Tensor):
+        labels = shift
+    elif shifted:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: Transformers' rule
+    (the model's `accepts_loss_kwargs`, else a **kwargs in forward), or a parameter of that name."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    parameters = inspect.signature(model.forward).parameters
+    return "num_items_in_batch" in parameters or any(p.kind == inspect.Parameter.VAR_KEYWORD
+                                                    for p in parameters.values())
+
+
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's loss shifts its labels, by Transformers' Trainer rule: its `loss_type` names Transformers'
+    causal LM loss, and it is no encoder-decoder (whose targets are unshifted). A GPT2LMHeadModel, whose loss_type
+    is None, counts unshifted labels there, so here too."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return loss_type == "ForCausalLM"
+    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-__all__ = ["IGNORE_INDEX", "batch_len", "call_model", "carried_loss", "count_items", "labels_of", "logits_of",
-           "loss_of", "to_device"]
+__all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
+           "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "to_device"]

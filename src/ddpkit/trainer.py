@@ -26,7 +26,6 @@ progress bar and loss curve (report.py), optimizer and schedules (optim.py), the
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import warnings
@@ -91,7 +90,8 @@ class Trainer(EvaluationMixin):
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
         self.precision = Precision.for_args(args, self.world.device, self.comm)
-        self.model_accepts_loss_kwargs = "num_items_in_batch" in inspect.signature(self.model.forward).parameters
+        self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
+        self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or default_collate
         self.compute_metrics = compute_metrics
@@ -268,9 +268,10 @@ class Trainer(EvaluationMixin):
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
         with self.precision.autocast():
-            if self.model_accepts_loss_kwargs and isinstance(inputs, Mapping):  # the keyword reaches the model
+            if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:  # as Transformers
                 # The model divides its summed loss by the count we pass: its loss is already its share.
-                share = self.compute_loss(model, inputs, num_items_in_batch=torch.tensor(global_items))
+                share = self.compute_loss(model, inputs,
+                                          num_items_in_batch=torch.tensor(global_items, device=self.world.device))
             else:
                 # A mean over this batch's items times their count is their sum; over the global count it is
                 # this batch's share of the step's mean loss, however the items are spread over batches and ranks.
@@ -291,8 +292,9 @@ class Trainer(EvaluationMixin):
         return (loss, outputs) if return_outputs else loss
 
     def count_items(self, batch: Any) -> int:
-        """How many items the batch's mean loss averages: labels other than -100, or else samples."""
-        return model_io.count_items(batch)
+        """How many items the batch's mean loss averages: labels other than -100 (shifted for a causal LM, as
+        Transformers counts them; see model_io.count_items), or else samples."""
+        return model_io.count_items(batch, shifted=self._loss_shifts_labels)
 
     def _filler(self) -> Any:
         """A batch for a rank that never had one: the first sample of the dataset (weighted zero anyway)."""

@@ -1,0 +1,116 @@
+"""What the Trainer reads of batches and models: the items a loss averages (Transformers' counting rule, shifted
+labels for a causal LM) and whether a model takes num_items_in_batch, checked against Transformers' Trainer on a
+GPT-2 whose forward takes **kwargs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import params_of, run_world, trainer_args
+
+from ddpkit import model_io
+
+
+def test_items_are_the_labels_transformers_counts():
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    assert model_io.count_items({"labels": labels}) == 5
+    assert model_io.count_items({"labels": labels}, shifted=True) == 3  # position 0 of a row is never a target
+    shift = torch.tensor([[6, 7, -100, -100], [-100, -100, -100, -100]])
+    assert model_io.count_items({"labels": labels, "shift_labels": shift}, shifted=True) == 2  # as given
+    assert model_io.count_items({"x": torch.zeros(3, 2)}, shifted=True) == 3  # no labels: the samples
+
+
+def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_does():
+    class Plain(nn.Module):
+        def forward(self, x, labels=None):
+            return x
+
+    class Keywords(Plain):
+        def forward(self, x, labels=None, **kwargs):
+            return x
+
+    class Named(Plain):
+        def forward(self, x, labels=None, num_items_in_batch=None):
+            return x
+
+    class Refuses(Keywords):
+        accepts_loss_kwargs = False
+
+    assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses)] == [False, True, True,
+                                                                                               False]
+    causal, encoder_decoder = Plain(), Plain()
+    causal.loss_type = encoder_decoder.loss_type = "ForCausalLM"
+    encoder_decoder.config = type("Config", (), {"is_encoder_decoder": True})()
+    assert [model_io.loss_shifts_labels(m) for m in (Plain(), causal, encoder_decoder)] == [False, True, False]
+
+
+LENGTHS = [3, 9, 2, 12, 5, 7, 4, 10]  # 52 labels, 44 of them after the first of each row
+STEPS = dict(max_steps=2, learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, weight_decay=0.0,
+             lr_scheduler_type="constant", seed=42)
+
+
+def gpt2(loss_type):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    model.loss_type = loss_type  # None: GPT2LMHeadModel's own; "ForCausalLM": a Llama's, whose labels shift
+    return model
+
+
+def sequences():
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.randint(0, 50, (n,), generator=g)} for n in LENGTHS]
+
+
+def collate(samples):
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = s["input_ids"], s["input_ids"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def gpt2_world(world, out, loss_type, batch, accum):
+    from ddpkit.trainer import Trainer
+
+    model = gpt2(loss_type)
+    args = trainer_args(out, per_device_train_batch_size=batch, gradient_accumulation_steps=accum, **STEPS)
+    trainer = Trainer(model, args, sequences(), data_collator=collate)
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
+
+
+def transformers_run(out, loss_type):
+    import transformers
+
+    model = gpt2(loss_type)
+    args = transformers.TrainingArguments(output_dir=str(out), report_to="none", use_cpu=True, disable_tqdm=True,
+                                          per_device_train_batch_size=8, remove_unused_columns=False,
+                                          save_strategy="no", **STEPS)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=sequences(), data_collator=collate)
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
+
+
+@pytest.mark.parametrize("loss_type", [None, "ForCausalLM"])
+def test_a_causal_lm_trains_as_in_transformers_however_the_global_batch_is_split(tmp_path, loss_type):
+    """Before, ddpkit passed num_items_in_batch only to a forward naming it, so GPT-2 (**kwargs) got a per-batch
+    mean times an unshifted count: step 1's loss was 3.9274595 for batch 8 x 1 and 3.9269952 for 1 x 8, where
+    Transformers logs 3.3232348 for both (its count is 52 unshifted labels for GPT-2, 44 shifted for a Llama)."""
+    pytest.importorskip("transformers")
+    truth_losses, truth = transformers_run(tmp_path / "hf", loss_type)
+    runs = [run_world(gpt2_world, 1, args=(str(tmp_path / f"one-{b}x{a}"), loss_type, b, a))[0]
+            for b, a in ((8, 1), (1, 8))]
+    runs += run_world(gpt2_world, 2, args=(str(tmp_path / "two"), loss_type, 2, 2))
+    for losses, params in runs:
+        assert losses == pytest.approx(truth_losses, rel=1e-6)  # Transformers upcasts the logits to float32
+        for got, want in zip(params, truth):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
