@@ -2,7 +2,8 @@
 
 A terminal's Ctrl-C sends SIGINT to its whole foreground process group: the launcher and its workers. The tests
 send it the same way (os.killpg on the launcher's session), so each worker gets it twice, from the terminal and
-forwarded by the launcher, as it would in a real terminal.
+forwarded by the launcher, as it would in a real terminal. In one process (a notebook's Ctrl-C), a stop ends one
+train() call only.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import Classifier, classification_data, clean_env, trainer_args
 
+from ddpkit.callbacks import TrainerCallback
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
+from ddpkit.trainer import Trainer
+from ddpkit.window import StopRequest
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "scripts" / "train_resilient.py")
@@ -121,3 +125,38 @@ def test_an_example_stopped_by_sigterm_ends_cleanly_and_writes_no_final_model(tm
     assert re.search(r"stopped at step \d+ of \d+; continue with --resume_from_checkpoint true", job.output)
     assert not (out / "model.safetensors").exists(), "a stopped run wrote a final model as if it had finished"
     assert len(list_checkpoints(str(out))) == 1
+
+
+def test_a_reset_stop_request_forgets_the_stop_and_the_first_ctrl_c():
+    stop = StopRequest(announce=False)
+    with stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        stop.reset()
+        assert not stop.requested
+        time.sleep(stop.DUPLICATE_S + 0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # a first Ctrl-C again, not the second one (KeyboardInterrupt)
+        assert stop.requested
+
+
+class CtrlCAtStep2(TrainerCallback):
+    def __init__(self):
+        self.pressed = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and not self.pressed:
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_ends_one_train_call_and_the_next_trains_on(tmp_path, local_world):
+    """A notebook's pattern: Ctrl-C stops train() after the next step with a checkpoint; train() again trains.
+    Before, the stop stayed asked: every later call ran one step and stopped (global_step 4, then 1)."""
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=8, per_device_train_batch_size=4),
+                      classification_data(20), callbacks=[CtrlCAtStep2()])
+    first = trainer.train()
+    assert first.global_step == 3 and first.metrics["stopped"] == 1.0
+    resumed = trainer.train(resume_from_checkpoint=True)
+    assert resumed.global_step == 8 and "stopped" not in resumed.metrics
+    again = trainer.train()
+    assert again.global_step == 8 and "stopped" not in again.metrics

@@ -161,10 +161,12 @@ class Trainer(EvaluationMixin):
 
     def _start_afresh(self) -> None:
         """What every train() call starts from, as in Transformers' Trainer: a new TrainerState (step 0, no logs)
-        and running loss, and a new learning-rate schedule where the Trainer made the last one (a schedule passed
-        in `optimizers` is the caller's); the model's weights and the optimizer, with its state, go on. A resume
-        then replaces them with the checkpoint's."""
+        and running loss, no stop asked (an earlier call's Ctrl-C or SIGTERM ended that call), and a new
+        learning-rate schedule where the Trainer made the last one (a schedule passed in `optimizers` is the
+        caller's); the model's weights and the optimizer, with its state, go on. A resume then replaces them with
+        the checkpoint's."""
         self.state, self._loss = self._new_state(), RunningLoss()
+        self._stop.reset()
         if self._made_scheduler:
             self.lr_scheduler, self._made_scheduler = None, False
 

@@ -90,10 +90,14 @@ class StopRequest:
     DUPLICATE_S = 1.0
 
     def __init__(self, announce: bool = True):
-        self.requested = False
         self.announce = announce  # print what the first Ctrl-C does (rank 0 only, under a launcher)
-        self._first_interrupt: float | None = None
         self._stack = contextlib.ExitStack()
+        self.reset()
+
+    def reset(self) -> None:
+        """No stop asked and no Ctrl-C seen: each train() call starts so (a notebook's Ctrl-C ends one call only)."""
+        self.requested = False
+        self._first_interrupt: float | None = None
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
