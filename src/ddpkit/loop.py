@@ -33,20 +33,25 @@ class TrainingLoop:
         self.trainer, self.sampler, self.progress = trainer, sampler, progress
 
     def run(self, sampler_state: dict | None) -> None:
-        """Epochs until max_steps, a stop every rank agreed on, or a callback's should_training_stop."""
+        """Epochs until max_steps, a stop every rank agreed on, or a callback's should_training_stop. Every epoch
+        but one a signal stopped ends with on_epoch_end and what the epoch strategy schedules, the last one too."""
         t = self.trainer
         epoch = sampler_state["epoch"] if sampler_state else 0
         while t.state.global_step < t.state.max_steps and not t.control.should_training_stop:
             resumed = sampler_state if sampler_state is not None and sampler_state["epoch"] == epoch else None
             t.control.should_epoch_stop = False
             t._fire("on_epoch_begin")
-            if not self.epoch(epoch, resumed):
-                break  # max_steps reached inside the epoch, or every rank agreed to stop
-            epoch += 1
-            self.sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
+            ended = self.epoch(epoch, resumed)
+            if t.state.should_stop:
+                break  # SIGTERM or Ctrl-C: the epoch goes on when the stop's checkpoint is resumed
+            if ended:
+                epoch += 1
+                self.sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
             t._fire("on_epoch_end")
             t._agreement.settle(t.control, "epoch end")
             t._maybe_evaluate_and_save(self.sampler, step_end=False)
+            if not ended:
+                break  # max_steps reached inside the epoch, or a callback stopped training
 
     def epoch(self, epoch: int, resumed: dict | None) -> bool:
         """Steps until every rank is out of this epoch's data or a callback ends the epoch (True), or until

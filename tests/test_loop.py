@@ -1,0 +1,44 @@
+"""The order of a training run against Transformers' Trainer: the epochs' events, epochs a callback ends early,
+and what each step's log says."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import Classifier, classification_data, trainer_args
+
+from ddpkit.callbacks import TrainerCallback
+from ddpkit.trainer import Trainer
+
+
+class EpochEvents(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.seen.append(("on_epoch_end", state.global_step))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.seen.append(("on_evaluate", state.global_step))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append(("on_save", state.global_step))
+
+
+def _trainer(out, callbacks, **kw):
+    torch.manual_seed(0)
+    args = trainer_args(out, **{"per_device_train_batch_size": 4, **kw})
+    return Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1),
+                   callbacks=callbacks)
+
+
+def test_every_epoch_ends_with_on_epoch_end_the_last_one_too(tmp_path, local_world):
+    """3 epochs of 5 steps: Transformers fires on_epoch_end at 5, 10 and 15, and at 12 for a max_steps of 12 inside
+    the third epoch; ddpkit fired none for the last epoch (5 and 10 only)."""
+    events = EpochEvents()
+    _trainer(tmp_path / "epochs", [events], num_train_epochs=3, eval_strategy="epoch", save_strategy="epoch").train()
+    assert events.seen == [(name, step) for step in (5, 10, 15) for name in ("on_epoch_end", "on_evaluate",
+                                                                              "on_save")]
+    inside = EpochEvents()
+    _trainer(tmp_path / "inside", [inside], max_steps=12).train()
+    assert inside.seen == [("on_epoch_end", 5), ("on_epoch_end", 10), ("on_epoch_end", 12)]
