@@ -42,3 +42,17 @@ def test_every_epoch_ends_with_on_epoch_end_the_last_one_too(tmp_path, local_wor
     inside = EpochEvents()
     _trainer(tmp_path / "inside", [inside], max_steps=12).train()
     assert inside.seen == [("on_epoch_end", 5), ("on_epoch_end", 10), ("on_epoch_end", 12)]
+
+
+class EndsEpochs(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_epoch_stop = state.global_step in (1, 7)
+
+
+def test_an_epoch_a_callback_ends_early_is_one_of_the_planned_epochs(tmp_path, local_world):
+    """3 epochs of 5 steps, epochs ended at steps 1 and 7: Transformers ends at step 7 (epoch 2.2); ddpkit trained
+    on to max_steps, step 15 (epoch 4.6)."""
+    trainer = _trainer(tmp_path, [EndsEpochs()], num_train_epochs=3)
+    assert trainer.train().global_step == 7
+    assert [(e["step"], e["epoch"]) for e in trainer.state.log_history if "loss" in e] == [
+        (1, 0.2), (2, 1.2), (3, 1.4), (4, 1.6), (5, 1.8), (6, 2.0), (7, 2.2)]

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpkit.args import TrainingArguments
-from ddpkit.plan import SavedPlan, StepPlan, interval, plan_for, plan_steps, total_steps
+from ddpkit.plan import SavedPlan, StepPlan, epochs_to_train, interval, plan_for, plan_steps, total_steps
 from ddpkit.sampler import remaining_positions
 
 BASE = dict(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=-1,
@@ -131,6 +131,15 @@ def test_the_epochs_done_are_the_saved_fraction_where_the_saved_steps_do_not_cou
 def test_max_steps_wins_over_a_resumed_plan():
     saved = SavedPlan(global_step=30, epoch=1.5, max_steps=60, world_size=2)
     assert plan_steps(batches_per_epoch=40, **{**BASE, "max_steps": 100}, resumed=saved).max_steps == 100
+
+
+def test_the_epochs_to_train_are_the_plans_or_what_a_resume_on_another_step_size_needs():
+    assert epochs_to_train(3, 0.0, 15, 5) == 3  # a fresh run: the plan's
+    assert epochs_to_train(3, 1.4, 12, 5) == 4  # resumed after an epoch ended early: the steps left's, not 3
+    # 2 ranks (10 steps an epoch) resumed at step 25 (epoch 2.5) on 1 (20 steps): 35 steps plan 2 epochs, but the
+    # third epoch's second half is still to train.
+    assert epochs_to_train(2, 2.5, 10, 20) == 3
+    assert epochs_to_train(3, 0.0, 15, 0) == 3  # a state without steps per epoch
 
 
 def test_no_batch_on_any_rank_is_an_error():

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import model_io
+from .plan import epochs_to_train
 from .report import Progress
 from .timeline import DATA_WAIT
 from .window import Window, agree_on_window, take_batches
@@ -33,11 +34,14 @@ class TrainingLoop:
         self.trainer, self.sampler, self.progress = trainer, sampler, progress
 
     def run(self, sampler_state: dict | None) -> None:
-        """Epochs until max_steps, a stop every rank agreed on, or a callback's should_training_stop. Every epoch
-        but one a signal stopped ends with on_epoch_end and what the epoch strategy schedules, the last one too."""
+        """Epochs until max_steps, the plan's epochs (one a callback ended early counts, as in Transformers), a stop
+        every rank agreed on, or a callback's should_training_stop. Every epoch but one a signal stopped ends with
+        on_epoch_end and what the epoch strategy schedules, the last one too."""
         t = self.trainer
         epoch = sampler_state["epoch"] if sampler_state else 0
-        while t.state.global_step < t.state.max_steps and not t.control.should_training_stop:
+        epochs = epochs_to_train(t.state.num_train_epochs, t.state.epoch, t.state.max_steps - t.state.global_step,
+                                 t.state.plan_arguments.get("steps_per_epoch", 0))
+        while t.state.global_step < t.state.max_steps and epoch < epochs and not t.control.should_training_stop:
             resumed = sampler_state if sampler_state is not None and sampler_state["epoch"] == epoch else None
             t.control.should_epoch_stop = False
             t._fire("on_epoch_begin")

@@ -144,6 +144,15 @@ def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_ste
     return eval_strategy == "epoch", save_strategy == "epoch"
 
 
+def epochs_to_train(num_train_epochs: int, epoch: float, steps_left: int, steps_per_epoch: int) -> int:
+    """The epochs (counted from the first) a run may start: the plan's, as Transformers' Trainer bounds its epoch
+    loop, so that an epoch a callback ended early (should_epoch_stop) counts as one. A run resumed at `epoch`
+    (its fraction) on another step size may need more: those its steps left take from there."""
+    if steps_per_epoch <= 0:
+        return num_train_epochs
+    return max(num_train_epochs, math.ceil(round(epoch + steps_left / steps_per_epoch, 6)))
+
+
 def check_train_data(dataset: Any, world_size: int) -> None:
     """Fail clearly when there is no training data, or less than one sample per rank."""
     if dataset is None:
@@ -154,4 +163,5 @@ def check_train_data(dataset: Any, world_size: int) -> None:
                          "(--nproc-per-node) or use more data")
 
 
-__all__ = ["check_train_data", "due", "SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps", "total_steps"]
+__all__ = ["check_train_data", "due", "epochs_to_train", "SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps",
+           "total_steps"]
