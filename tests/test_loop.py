@@ -3,6 +3,7 @@ and what each step's log says."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import Classifier, classification_data, trainer_args
@@ -56,3 +57,12 @@ def test_an_epoch_a_callback_ends_early_is_one_of_the_planned_epochs(tmp_path, l
     assert trainer.train().global_step == 7
     assert [(e["step"], e["epoch"]) for e in trainer.state.log_history if "loss" in e] == [
         (1, 0.2), (2, 1.2), (3, 1.4), (4, 1.6), (5, 1.8), (6, 2.0), (7, 2.2)]
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path, local_world):
+    """Linear decay over 12 steps from 0.1: step k trains at 0.1 * (13 - k) / 12, which Transformers 5 logs (0.091667
+    at step 2); ddpkit logged the next step's rate (0.083333), and 0.0 at the last step."""
+    trainer = _trainer(tmp_path, [], max_steps=12, learning_rate=0.1, lr_scheduler_type="linear")
+    trainer.train()
+    logged = [e["learning_rate"] for e in trainer.state.log_history if "loss" in e]
+    assert logged == pytest.approx([0.1 * (13 - k) / 12 for k in range(1, 13)], rel=1e-12)

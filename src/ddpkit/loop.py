@@ -76,6 +76,7 @@ class TrainingLoop:
             window = self.next_window(batches)
             if window.micro_steps == 0:
                 return True  # every rank is out of data
+            learning_rate = t._learning_rate()  # the rate this step uses: Transformers logs it, not the next one
             step_loss, grad_norm = t.training_step(window)
             consumed += window.samples
             sampler.consumed = consumed  # what was trained on, whatever the loader prefetched
@@ -83,7 +84,7 @@ class TrainingLoop:
             t.state.epoch = epoch + min(1.0, consumed / max(1, len(t.train_dataset)))
             t._fire("on_step_end")
             t._agreement.settle(t.control, f"step {t.state.global_step}")
-            self.after_step(step_loss, grad_norm, window.samples)
+            self.after_step(step_loss, grad_norm, window.samples, learning_rate)
             t.state.should_stop = window.stop  # a scheduled save of this step is the stop's: it says so
             t._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
             if window.stop or t.control.should_training_stop:
@@ -104,7 +105,7 @@ class TrainingLoop:
         t._loss.settle(window.previous_loss)
         return window
 
-    def after_step(self, step_loss: torch.Tensor, grad_norm: float, samples: int) -> None:
+    def after_step(self, step_loss: torch.Tensor, grad_norm: float, samples: int, learning_rate: float) -> None:
         """The progress bar, the logged loss (when due, or asked by a callback) and the replica check."""
         t, run = self.trainer, self.progress
         run.step(samples)
@@ -114,7 +115,7 @@ class TrainingLoop:
         t.control.should_log = False
         if logging:
             t._loss.settle_now(t.comm, t.world, "logged loss")
-            t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": t._learning_rate(),
+            t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": learning_rate,
                    "samples_per_second": run.clock.lap()})
             t._agreement.settle(t.control, f"the log of step {step}")  # what on_log asked is rank 0's too
         run.show(t.state.last_logged("loss"), logged=logging)
