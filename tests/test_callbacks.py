@@ -246,3 +246,23 @@ def test_flags_set_in_on_log_on_rank_zero_take_effect_on_every_rank(tmp_path):
     # Before, they were never agreed: rank 0 evaluated alone (a collective mismatch) or stopped alone.
     assert run_world(on_log_world, world_size=2, args=(str(tmp_path),), collective_timeout_s=20,
                      stall_seconds=5) == [([2], 4, ["checkpoint-3"])] * 2
+
+
+class SavesAfterEvaluation(TrainerCallback):
+    """Rank 0's on_evaluate asks for a save at step 4, rank 1's at every evaluation."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        control.should_save = self.rank == 1 or state.global_step == 4
+
+
+def on_evaluate_world(world, out):
+    _trainer(out, [SavesAfterEvaluation(world.rank)], eval_strategy="steps", eval_steps=2).train()
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def test_a_save_asked_in_on_evaluate_is_made_after_that_evaluation(tmp_path):
+    # Before, the save was decided (and the flags cleared) before the evaluation ran: no checkpoint at all.
+    assert run_world(on_evaluate_world, world_size=2, args=(str(tmp_path),)) == [["checkpoint-4"]] * 2

@@ -316,18 +316,21 @@ class Trainer(EvaluationMixin):
         moment = "step" if step_end else "final" if final else "epoch"
         evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
                              self.state.save_steps, evaluated=self.state.logged_at("eval_loss", step))
-        evaluate, save = evaluate or self.control.should_evaluate, save or self.control.should_save  # agreed
-        self.control.should_evaluate = self.control.should_save = False
-        if final and save:
-            save = not self.saves.exists(step)
+        evaluate = evaluate or self.control.should_evaluate  # the control is agreed
+        self.control.should_evaluate = False
         if evaluate and self.eval_dataset is not None:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
             if self.best is not None:
                 self.best.note_evaluation(self.state, metrics)
+            # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
+            self._agreement.settle(self.control, f"after the evaluation of step {step}")
+        save = save or self.control.should_save
+        self.control.should_save = False
+        if final and save:
+            save = not self.saves.exists(step)
         if save:
             self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
-        if evaluate or save:  # what on_evaluate and on_save asked (a stop, say) is rank 0's, as at a step's end
-            self._agreement.settle(self.control, f"after the evaluation or save of step {step}")
+            self._agreement.settle(self.control, f"after the save of step {step}")  # what on_save asked
 
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
