@@ -74,6 +74,9 @@ def test_fractional_intervals_and_derived_values():
     assert args.interval("eval_steps", 95) == 10
     assert args.warmup_steps_for(95) == 10
     assert TrainingArguments(warmup_steps=3, warmup_ratio=0.5).warmup_steps_for(95) == 3
+    # Transformers 5: a warmup_steps below 1 is a ratio of the total steps (ddpkit refused it as not whole).
+    assert TrainingArguments(warmup_steps=0.1, warmup_ratio=0.5).warmup_steps_for(95) == 10
+    assert parse_args(["--warmup_steps", "0.25"]).warmup_steps_for(10) == 3
     assert args.train_batch_size(world_size=2) == 24
 
 
@@ -98,6 +101,7 @@ INVALID = [
     ("num_train_epochs", dict(num_train_epochs=0)),
     ("lr_scheduler_type", dict(lr_scheduler_type="polynomial")),
     ("warmup_steps", dict(warmup_steps=-1)),
+    ("warmup_steps", dict(warmup_steps=2.5)),
     ("warmup_ratio", dict(warmup_ratio=1.5)),
     ("logging_steps", dict(logging_steps=0)),
     ("eval_strategy", dict(eval_strategy="sometimes")),

@@ -50,7 +50,8 @@ class TrainingArguments:
     num_train_epochs: float = _field(3.0, "Epochs to train (a fraction stops part-way through the last one).")
     max_steps: int = _field(-1, "Optimizer steps to train; > 0 overrides num_train_epochs, -1 uses epochs.")
     lr_scheduler_type: str = _field("linear", "Learning-rate schedule after warmup.", choices=SCHEDULERS)
-    warmup_steps: int = _field(0, "Linear warmup steps from 0 to learning_rate; overrides warmup_ratio.")
+    warmup_steps: float = _field(0, "Linear warmup steps from 0 to learning_rate (a float < 1: a fraction of the "
+                                    "total steps, as in Transformers 5); overrides warmup_ratio.")
     warmup_ratio: float = _field(0.0, "Linear warmup as a fraction of the total optimizer steps.")
     logging_steps: float = _field(500, "Log every N optimizer steps (a float < 1: a fraction of the total).")
     eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
@@ -134,6 +135,8 @@ class TrainingArguments:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.torch_compile_mode is not None or self.torch_compile_backend != "inductor":
             self.torch_compile = True  # Transformers: naming a mode or a backend asks for compilation
+        if self.warmup_steps >= 1 and float(self.warmup_steps).is_integer():
+            self.warmup_steps = int(self.warmup_steps)  # below 1 a fraction; validate() names 2.5
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
             if 1 <= value < math.inf:  # validate() names a non-finite one
@@ -146,7 +149,10 @@ class TrainingArguments:
         return self.per_device_train_batch_size * world_size * self.gradient_accumulation_steps
 
     def warmup_steps_for(self, total_steps: int) -> int:
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
+        """warmup_steps (below 1: that fraction of total_steps, rounded up, as Transformers 5), else warmup_ratio's."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * total_steps)
 
     def interval(self, name: str, total_steps: int) -> int:
         """logging_steps, eval_steps or save_steps in optimizer steps (a fraction < 1 is of total_steps)."""

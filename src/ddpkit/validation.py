@@ -81,7 +81,7 @@ def validate(args: Any) -> None:
         need(getattr(args, name) >= 0, name, "must be >= 0")
     for name in ("adam_beta1", "adam_beta2"):
         need(0 <= getattr(args, name) < 1, name, "must be in [0, 1)")
-    for name in ("learning_rate", "max_grad_norm", "num_train_epochs", "adam_epsilon", "ddp_timeout"):
+    for name in ("learning_rate", "max_grad_norm", "num_train_epochs", "adam_epsilon", "ddp_timeout", "warmup_steps"):
         need(math.isfinite(getattr(args, name)), name, "must be finite")
     need(args.max_steps == -1 or args.max_steps > 0, "max_steps", "must be > 0, or -1 to train by epochs")
     need(args.max_steps > 0 or args.num_train_epochs > 0, "num_train_epochs",
@@ -93,9 +93,10 @@ def validate(args: Any) -> None:
     for name in ("logging_steps", "eval_steps", "save_steps"):
         need(0 < getattr(args, name) < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the "
                                                        "total steps)")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "warmup_steps"):
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         need(float(getattr(args, name)).is_integer(), name, "must be a whole number")
+    need(args.warmup_steps < 1 or float(args.warmup_steps).is_integer(), "warmup_steps",
+         "must be a whole number, or a float below 1 (a fraction of the total steps)")
     need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
          "must be >= 1, or unset to keep every checkpoint")
     need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
