@@ -333,3 +333,22 @@ def test_tuple_batches_with_an_items_aware_model_are_normalised(tmp_path, local_
         assert np.allclose(a, b, atol=1e-6)
 
 
+
+
+def test_logs_and_evaluation_metrics_carry_the_epoch_as_in_transformers(tmp_path, local_world):
+    """on_log gets what log_history holds but the step, and evaluate() returns the epoch with its metrics; before,
+    both lacked "epoch"."""
+    from ddpkit.callbacks import TrainerCallback
+
+    class Logs(TrainerCallback):
+        seen = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs))
+
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4),
+                      classification_data(8), eval_dataset=classification_data(4, seed=1), callbacks=[Logs()])
+    assert trainer.evaluate()["epoch"] == 0.0
+    trainer.train()
+    assert Logs.seen[1:] == [{k: v for k, v in e.items() if k != "step"} for e in trainer.state.log_history]
+    assert trainer.evaluate()["epoch"] == 1.0 and "epoch" in Logs.seen[1]

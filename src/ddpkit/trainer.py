@@ -353,8 +353,10 @@ class Trainer(EvaluationMixin):
 
     # -- logging -----------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float]) -> None:
-        """Record a log entry (the Transformers log_history format) and, on rank 0, write it everywhere."""
-        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        """Record a log entry (the Transformers log_history format) and, on rank 0, write it everywhere. As in
+        Transformers, `logs` gains the epoch (so evaluate()'s metrics have it) and on_log gets it so."""
+        logs["epoch"] = round(self.state.epoch, 4)
+        entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.reporter.write(entry)
         self._fire("on_log", logs=logs)
