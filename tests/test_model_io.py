@@ -39,8 +39,15 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_d
     class Refuses(Keywords):
         accepts_loss_kwargs = False
 
-    assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses)] == [False, True, True,
-                                                                                               False]
+    class PreTrainedModel(nn.Module):  # stands for Transformers' base class, known by its name
+        pass
+
+    class Transformers(PreTrainedModel, Keywords):
+        pass
+
+    # A plain module's **kwargs is no sign it divides by the count (it may drop it): only a Transformers model's
+    assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses, Transformers)] == [
+        False, False, True, False, True]
     causal, encoder_decoder = Plain(), Plain()
     causal.loss_type = encoder_decoder.loss_type = "ForCausalLM"
     encoder_decoder.config = type("Config", (), {"is_encoder_decoder": True})()

@@ -99,13 +99,16 @@ def count_items(batch: Any, shifted: bool = False) -> int:
 
 
 def accepts_loss_kwargs(model: nn.Module) -> bool:
-    """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: Transformers' rule
-    (the model's `accepts_loss_kwargs`, else a **kwargs in forward), or a parameter of that name."""
+    """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: its
+    `accepts_loss_kwargs` if it says, else a parameter of that name, or, for a Transformers model (whose losses
+    take it through **kwargs: Transformers' Trainer's rule), a **kwargs. A plain module's **kwargs is no sign:
+    one that dropped the count would return a mean taken for its share, and train at the wrong scale."""
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     parameters = inspect.signature(model.forward).parameters
-    return "num_items_in_batch" in parameters or any(p.kind == inspect.Parameter.VAR_KEYWORD
-                                                    for p in parameters.values())
+    transformers_model = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    return "num_items_in_batch" in parameters or transformers_model and any(
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def loss_shifts_labels(model: nn.Module) -> bool:
