@@ -272,6 +272,32 @@ def test_a_resolved_stall_is_not_blamed_later_and_the_rank_that_left_is():
     assert "StallError" not in text and "has waited" not in text, text  # not the stale explanation of #1
 
 
+def test_only_a_rank_that_left_before_the_collective_is_named_its_root_cause():
+    """Rank 1 left after collective #3; rank 2 joined #5 and every later one, then ended normally. Rank 0's #5
+    failed: rank 1 is the root cause, not rank 2."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ddpkit.board import Board
+    from ddpkit.monitor import StallMonitor
+
+    store = dist.HashStore()
+    monitor = StallMonitor(store, rank=0, world_size=3, threshold_s=60, poll_s=60, exit_on_peer_failure=False)
+    try:
+        for rank, seq in ((1, 3), (2, 9)):
+            Board(store, monitor.board.prefix, rank, 3).post_left(
+                {"rank": rank, "how": "it called destroy_process_group", "seq": seq, "what": f"op {seq}"})
+        record = SimpleNamespace(seq=5, op="all_reduce", what="loss")
+        error = monitor._explain_failure(record, RuntimeError("Connection closed by peer"), waited=0.1)
+    finally:
+        monitor.stop()
+    assert type(error).__name__ == "PeerLeftError", error
+    assert str(error).startswith("rank 1 left the job early (it called destroy_process_group) after collective #3 "
+                                 "op 3: the root cause. Rank 0 was in collective #5 all_reduce (loss)"), error
+    assert "rank 2" not in str(error), error
+
+
 # ---------------------------------------------------------------------------------------------------------
 # From outside: the launcher's summary
 # ---------------------------------------------------------------------------------------------------------

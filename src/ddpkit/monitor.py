@@ -206,7 +206,9 @@ class StallMonitor:
                                    f"with: {error})")
         waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
         if left or gone:
-            found = "; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in left.values()) if left else gone
+            # The root cause: who left before issuing this collective; one that joined it and left later did not.
+            early = [m for m in left.values() if m["seq"] < record.seq] or list(left.values())
+            found = "; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in early) if left else gone
             return (PeerLeftError if left else PeerVanishedError)(f"{found}. {waits}.\n(the collective failed "
                                                                   f"with: {error})")
         if waited < self.threshold_s and "timed out" not in str(error).lower():
