@@ -53,10 +53,14 @@ class EndsEpochs(TrainerCallback):
 def test_an_epoch_a_callback_ends_early_is_one_of_the_planned_epochs(tmp_path, local_world):
     """3 epochs of 5 steps, epochs ended at steps 1 and 7: Transformers ends at step 7 (epoch 2.2); ddpkit trained
     on to max_steps, step 15 (epoch 4.6)."""
-    trainer = _trainer(tmp_path, [EndsEpochs()], num_train_epochs=3)
+    trainer = _trainer(tmp_path, [EndsEpochs()], num_train_epochs=3, save_strategy="steps", save_steps=4)
     assert trainer.train().global_step == 7
-    assert [(e["step"], e["epoch"]) for e in trainer.state.log_history if "loss" in e] == [
-        (1, 0.2), (2, 1.2), (3, 1.4), (4, 1.6), (5, 1.8), (6, 2.0), (7, 2.2)]
+    logged = [(e["step"], e["epoch"]) for e in trainer.state.log_history if "loss" in e]
+    assert logged == [(1, 0.2), (2, 1.2), (3, 1.4), (4, 1.6), (5, 1.8), (6, 2.0), (7, 2.2)]
+    # Resumed from checkpoint-4 (same step size): the same end, not the 4 epochs its 11 steps left would fill
+    resumed = _trainer(tmp_path, [EndsEpochs()], num_train_epochs=3, save_strategy="steps", save_steps=4)
+    assert resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4")).global_step == 7
+    assert [(e["step"], e["epoch"]) for e in resumed.state.log_history if "loss" in e] == logged
 
 
 def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path, local_world):

@@ -134,12 +134,21 @@ def test_max_steps_wins_over_a_resumed_plan():
 
 
 def test_the_epochs_to_train_are_the_plans_or_what_a_resume_on_another_step_size_needs():
-    assert epochs_to_train(3, 0.0, 15, 5) == 3  # a fresh run: the plan's
-    assert epochs_to_train(3, 1.4, 12, 5) == 4  # resumed after an epoch ended early: the steps left's, not 3
-    # 2 ranks (10 steps an epoch) resumed at step 25 (epoch 2.5) on 1 (20 steps): 35 steps plan 2 epochs, but the
-    # third epoch's second half is still to train.
-    assert epochs_to_train(2, 2.5, 10, 20) == 3
-    assert epochs_to_train(3, 0.0, 15, 0) == 3  # a state without steps per epoch
+    def plan(max_steps, epochs, steps_per_epoch, batch=8):
+        return StepPlan(max_steps, epochs, 1, 1, 1, batch, {"steps_per_epoch": steps_per_epoch})
+
+    def saved(step, epoch, steps_per_epoch, batch=8):
+        return SavedPlan(step, epoch, 15, 2, None, batch, steps_per_epoch)
+
+    assert epochs_to_train(plan(15, 3, 5)) == 3  # a fresh run: the plan's
+    # resumed with the same step size after an epoch ended early (at step 1: epoch 1.4 at step 4): still the
+    # plan's 3, as the uninterrupted run (which ends its third epoch early at step 7), not the 4 its steps left fill
+    assert epochs_to_train(plan(15, 3, 5), saved(4, 1.4, 5)) == 3
+    # 2 ranks (10 steps an epoch) resumed at step 25 (epoch 2.5) on 1 (20 steps, the global batch halved): 35 steps
+    # plan 2 epochs, but the third epoch's second half is still to train
+    assert epochs_to_train(plan(35, 2, 20, batch=4), saved(25, 2.5, 10)) == 3
+    assert epochs_to_train(plan(35, 2, 20), saved(25, 2.5, 0)) == 3  # a state that does not say its step size
+    assert epochs_to_train(plan(15, 3, 0)) == 3  # a plan without steps per epoch
 
 
 def test_no_batch_on_any_rank_is_an_error():

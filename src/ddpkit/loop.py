@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import model_io
-from .plan import epochs_to_train
 from .report import Progress
 from .timeline import DATA_WAIT
 from .window import Window, agree_on_window, take_batches
@@ -39,9 +38,7 @@ class TrainingLoop:
         on_epoch_end and what the epoch strategy schedules, the last one too."""
         t = self.trainer
         epoch = sampler_state["epoch"] if sampler_state else 0
-        epochs = epochs_to_train(t.state.num_train_epochs, t.state.epoch, t.state.max_steps - t.state.global_step,
-                                 t.state.plan_arguments.get("steps_per_epoch", 0))
-        while t.state.global_step < t.state.max_steps and epoch < epochs and not t.control.should_training_stop:
+        while t.state.global_step < t.state.max_steps and epoch < t._epochs and not t.control.should_training_stop:
             resumed = sampler_state if sampler_state is not None and sampler_state["epoch"] == epoch else None
             t.control.should_epoch_stop = False
             t._fire("on_epoch_begin")

@@ -144,13 +144,17 @@ def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_ste
     return eval_strategy == "epoch", save_strategy == "epoch"
 
 
-def epochs_to_train(num_train_epochs: int, epoch: float, steps_left: int, steps_per_epoch: int) -> int:
+def epochs_to_train(plan: StepPlan, resumed: SavedPlan | None = None) -> int:
     """The epochs (counted from the first) a run may start: the plan's, as Transformers' Trainer bounds its epoch
-    loop, so that an epoch a callback ended early (should_epoch_stop) counts as one. A run resumed at `epoch`
-    (its fraction) on another step size may need more: those its steps left take from there."""
-    if steps_per_epoch <= 0:
-        return num_train_epochs
-    return max(num_train_epochs, math.ceil(round(epoch + steps_left / steps_per_epoch, 6)))
+    loop, so that an epoch a callback ended early (should_epoch_stop) counts as one, also in a run resumed with
+    the same steps per epoch. Resumed on another step size (or from a state that does not say), the run may need
+    more: those its steps left take from the saved epoch fraction."""
+    steps_per_epoch = plan.plan_arguments.get("steps_per_epoch", 0)
+    if resumed is None or steps_per_epoch <= 0 or (resumed.steps_per_epoch == steps_per_epoch and
+                                                   resumed.train_batch_size == plan.train_batch_size):
+        return plan.num_train_epochs
+    left = plan.max_steps - resumed.global_step
+    return max(plan.num_train_epochs, math.ceil(round(resumed.epoch + left / steps_per_epoch, 6)))
 
 
 def check_train_data(dataset: Any, world_size: int) -> None:

@@ -45,7 +45,7 @@ from .args import TrainingArguments
 from .comm import Comm, barrier, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
-from .plan import SavedPlan, check_train_data, due, plan_for
+from .plan import SavedPlan, check_train_data, due, epochs_to_train, plan_for
 from .loop import TrainingLoop
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
@@ -178,6 +178,7 @@ class Trainer(EvaluationMixin):
         plan = plan_for(self.args, batches, self.world.world_size, saved)
         for name, value in plan._asdict().items():
             setattr(self.state, name, value)
+        self._epochs = epochs_to_train(plan, saved)  # the epochs the loop may start (an early-ended one counts)
         # (Not on a restart: a restarted script's train() call that had finished takes up its last checkpoint.)
         if saved is not None and saved.global_step >= plan.max_steps and self.world.is_main and not self.world.restart:
             warnings.warn(f"the checkpoint is at step {saved.global_step}, where this run's plan ends (max_steps "
