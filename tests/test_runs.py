@@ -284,19 +284,21 @@ def test_a_restarted_script_that_trains_twice_continues_each_call_in_its_own_run
     assert names == ["checkpoint-2.run-" + a_id, "checkpoint-4", "checkpoint-4.run-" + a_id, "checkpoint-6"], names
 
 
-def _pretrain_then_continue(out, restart, crash_at=None):
+def _pretrain_then_continue(out, restart, crash_at=None, limit=None):
     """A script whose second train() call resumes the first's checkpoint-6 (so continues its run) to step 10."""
     torch.manual_seed(0)
     model = Classifier().double()
     crash = Crash(None)
     trainer = Steps(model, trainer_args(out, per_device_train_batch_size=2, max_steps=6, save_strategy="steps",
-                                        save_steps=3), classification_data(24), callbacks=[crash])
+                                        save_steps=3, save_total_limit=limit), classification_data(24),
+                    callbacks=[crash])
     trainer.world = dataclasses.replace(trainer.world, restart=restart, job="L")
     trainer.steps = []
     trainer.train()
     first = (trainer.steps, params_of(model))
     trainer.args.max_steps, crash.at, trainer.steps = 10, crash_at, []
-    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+    sixth = os.path.join(out, "checkpoint-6")  # rotated away by the second call under save_total_limit=1
+    trainer.train(resume_from_checkpoint=sixth if os.path.isdir(sixth) else True)
     return first, (trainer.steps, params_of(model))
 
 
@@ -311,3 +313,27 @@ def test_a_restarted_call_resumes_where_it_ended_not_from_a_later_call_of_its_ru
     assert first[0] == [] and second[0] == [10], (first[0], second[0])
     for got, want in zip(first[1] + second[1], straight[0][1] + straight[1][1]):
         np.testing.assert_array_equal(got, want)
+    # save_total_limit=1: only the second call's checkpoint-9 is left, so the first call trains again from its
+    # start, and its rotation must leave that checkpoint (past its steps) for the second call to resume
+    with pytest.raises(RuntimeError, match="crash"):
+        _pretrain_then_continue(f"{out}-limited", 0, crash_at=10, limit=1)
+    first, second = _pretrain_then_continue(f"{out}-limited", 1, limit=1)
+    assert first[0] == [1, 2, 3, 4, 5, 6] and second[0] == [10], (first[0], second[0])
+    for got, want in zip(first[1] + second[1], straight[0][1] + straight[1][1]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_restarted_script_that_skips_a_finished_stage_continues_the_stage_it_runs(tmp_path, local_world):
+    """The restarted script sees its pretraining done and runs only the fine-tuning: that call, the first of its
+    attempt, continues the fine-tuning's run (known by what it trains), not the pretraining's, first recorded."""
+    out = str(tmp_path / "out")
+    _train(out, max_steps=4, job="L")
+    with pytest.raises(RuntimeError, match="crash"):
+        _train(out, max_steps=6, job="L", learning_rate=0.02, callbacks=[Crash(5)])
+    again = _train(out, max_steps=6, job="L", restart=1, learning_rate=0.02)
+    straight = _train(f"{out}-straight", max_steps=6, learning_rate=0.02)
+    assert again[0] == [5, 6], again[0]
+    for got, want in zip(again[1], straight[1]):
+        np.testing.assert_array_equal(got, want)
+    # a call no earlier attempt made, in a restarted attempt: a new record, past the two
+    assert runs.call_slot(out, "L", 0, "another") == 2 and runs.call_slot(out, "L", 1, None) == 1

@@ -157,7 +157,8 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
             _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
                           sampler_state, rng_states, scaler, shard_sums, run)
             _publish(tmp, final, run)
-            rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run)
+            # None past this step: a later train() call's of the same run, in a restarted script (rotate's until)
+            rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run, until=step)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
             failures = [(0, write_failure(exc, output_dir))]
     if failures and world.is_main:

@@ -126,16 +126,17 @@ def remove_stale(output_dir: str) -> list[str]:
     return removed
 
 
-def rotate_checkpoints(output_dir: str, save_total_limit: int | None,
-                       keep: str | tuple[str, ...] | None = None, run: str | None = None) -> list[str]:
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str | tuple[str, ...] | None = None,
+                       run: str | None = None, until: int | None = None) -> list[str]:
     """Delete the oldest checkpoints so that save_total_limit remain, never those in `keep` (they count towards
     the limit, as the best checkpoint does in Transformers: a limit of 2 with the best one old keeps it and the
     newest); the deleted paths. run: count and delete only that run's (another run's are not this one's to
-    delete: ddpkit.runs)."""
+    delete: ddpkit.runs). until: neither count nor delete those past that step (a restarted script's first
+    train() call must leave its run's checkpoints that a later call, which continued the run, saved)."""
     if save_total_limit is None:
         return []
     kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
-    found = list_checkpoints(output_dir, run)
+    found = list_checkpoints(output_dir, run, until=until)
     others = [p for p in found if os.path.abspath(p) not in kept]
     budget = max(0, save_total_limit - (len(found) - len(others)))  # what the limit leaves for the unprotected
     doomed = others[:max(0, len(others) - budget)]

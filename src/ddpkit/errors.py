@@ -74,7 +74,7 @@ def carrying(kind: type[BaseException], message: str) -> type[BaseException]:
         kind.__init__(self, *(args or (message,)))
 
     def __reduce__(self: BaseException) -> tuple:
-        return kind, self.args
+        return kind, self.args, self.__dict__ or None  # its notes (add_note) too
 
     return type(kind.__name__, (kind,), {"__init__": __init__, "__reduce__": __reduce__,
                                          "__module__": kind.__module__, "__qualname__": kind.__qualname__})

@@ -124,13 +124,15 @@ def choose_checkpoint(resume: str | bool | None, output_dir: str, restart: int =
     return choose_run(resume, output_dir, restart).path
 
 
-def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm) -> RunChoice:
+def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm, key: str | None = None) -> RunChoice:
     """choose_run on rank 0, which records the run as output_dir's current one (it holds the lock) and says
     what happens to other runs' checkpoints; the same choice on every rank, or the same error: every rank
     reaches the broadcast, whatever rank 0 met (a full disk writing the run file, a folder that is no checkpoint)."""
     outcome: Any = None
     if world.is_main:
-        call = runs.call_index(output_dir, world.job, world.restart)
+        position = runs.call_index(output_dir, world.job, world.restart)
+        # The recorded call this one continues after a restart (key: what it trains), or a new record.
+        call = runs.call_slot(output_dir, world.job, position, key) if world.restart else position
         # The call's first choice: its first attempt, or a restart of one that failed before choosing.
         first = world.restart == 0 or (world.job is not None and runs.current_run(output_dir, world.job, call) is None)
         try:
@@ -138,7 +140,7 @@ def begin_run(resume: str | bool | None, output_dir: str, world: Any, comm: Comm
             if outcome.path is not None and checkpoint.folder_step(outcome.path) is None:
                 raise FileNotFoundError(f"{outcome.path} is not a finished checkpoint folder ({checkpoint.PREFIX}-"
                                         "<step> holding its completion marker); resume from another one")
-            runs.mark_current(output_dir, outcome.run, outcome.path, world.job, world.restart, call)
+            runs.mark_current(output_dir, outcome.run, outcome.path, world.job, world.restart, position, call, key)
         except Exception as exc:  # noqa: BLE001 - every rank raises it alike, below
             outcome = exc
     shared = decided_by_main(comm, _shareable(outcome, output_dir), "resume: which checkpoint and run")

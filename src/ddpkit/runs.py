@@ -22,6 +22,7 @@ policy that uses all this is ddpkit.resume's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -73,6 +74,25 @@ def call_index(output_dir: str, job: str | None, attempt: int) -> int:
     return taken if isinstance(taken, int) and taken > 0 else 0
 
 
+def call_slot(output_dir: str, job: str | None, position: int, key: str | None) -> int:
+    """Which recorded train() call of launch `job` a restarted script's call continues: the `position`-th of its
+    attempt (call_index) when that one trained the same (`key`, what it trains: call_key) or nothing says, else
+    the first recorded one that did (a script that skips a stage done in the earlier attempt), else a new one."""
+    found = _recorded(output_dir)
+    keys = found.get("keys") if job is not None and found.get("job") == job else None
+    if not isinstance(keys, list) or key is None or (position < len(keys) and keys[position] in (key, None)):
+        return position
+    if key in keys:
+        return keys.index(key)
+    calls = found.get("calls")
+    return max(position, len(calls) if isinstance(calls, list) else 0, len(keys))
+
+
+def call_key(*parts: object) -> str:
+    """A short fingerprint of what a train() call trains (its arguments, model, data), for call_slot."""
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:12]
+
+
 def call_end(output_dir: str, job: str | None, call: int) -> int | None:
     """The step at which train() call `call` of launch `job` finished in an earlier attempt (mark_ended), or
     None: a later call that continued its run (resuming its checkpoint) may have saved newer ones since."""
@@ -87,23 +107,32 @@ def mark_ended(output_dir: str, job: str | None, call: int, step: int) -> None:
     found = _recorded(output_dir)
     if job is None or found.get("job") != job:
         return
-    ends = found.get("ends") if isinstance(found.get("ends"), list) else []
-    found["ends"] = (ends + [None] * call)[:call] + [step] + ends[call + 1:]
+    found["ends"] = _put(found.get("ends") if isinstance(found.get("ends"), list) else [], call, step)
     write_json(os.path.join(output_dir, RUN_FILE), found)
 
 
 def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str | None = None, attempt: int = 0,
-                 call: int = 0) -> None:
-    """Record `run` (started by launch `job`, its train() call `call` in restart `attempt`) as output_dir's
-    current run (rank 0, holding the output_dir's lock), atomically."""
+                 call: int = 0, slot: int | None = None, key: str | None = None) -> None:
+    """Record `run` (started by launch `job`, its train() call `call` in restart `attempt`, continuing recorded
+    call `slot`, by default the same, and training `key`) as output_dir's current run (rank 0, holding the
+    output_dir's lock), atomically."""
     os.makedirs(output_dir, exist_ok=True)
     found = _recorded(output_dir) if job is not None else {}
-    calls = found.get("calls") if found.get("job") == job and isinstance(found.get("calls"), list) else []
-    calls = (calls + [None] * call)[:call] + [run] + calls[call + 1:]
-    ends = found.get("ends") if found.get("job") == job and isinstance(found.get("ends"), list) else []
-    write_json(os.path.join(output_dir, RUN_FILE), {"run": run, "resumed_from": resumed_from, "job": job,
-                                                     "attempt": attempt, "calls": calls, "taken": call + 1,
-                                                     "ends": ends, "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    slot = call if slot is None else slot
+
+    def listed(name: str) -> list:
+        value = found.get(name) if found.get("job") == job else None
+        return value if isinstance(value, list) else []
+
+    write_json(os.path.join(output_dir, RUN_FILE), {
+        "run": run, "resumed_from": resumed_from, "job": job, "attempt": attempt, "taken": call + 1,
+        "calls": _put(listed("calls"), slot, run), "keys": _put(listed("keys"), slot, key), "ends": listed("ends"),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
-__all__ = ["RUN_FILE", "call_end", "call_index", "current_run", "mark_current", "mark_ended", "new_run_id"]
+def _put(items: list, index: int, value: object) -> list:
+    return (items + [None] * index)[:index] + [value] + items[index + 1:]
+
+
+__all__ = ["RUN_FILE", "call_end", "call_index", "call_key", "call_slot", "current_run", "mark_current", "mark_ended",
+           "new_run_id"]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from . import checkpoint, model_io, optim, resume, step
+from . import checkpoint, model_io, optim, resume, runs, step
 from .best import BestModel
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
@@ -170,6 +170,14 @@ class Trainer(EvaluationMixin):
         if self._made_scheduler:
             self.lr_scheduler, self._made_scheduler = None, False
 
+    def _call_key(self) -> str:
+        """What this train() call trains, so that a restarted script that skips a stage it finished before
+        continues each call's own run (runs.call_slot): the model, the data's size and the plan's arguments."""
+        a = self.args
+        return runs.call_key(type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
+                             len(self.train_dataset), a.max_steps, a.num_train_epochs, a.learning_rate,
+                             a.per_device_train_batch_size, a.gradient_accumulation_steps, a.lr_scheduler_type, a.seed)
+
     def _plan(self, loader: DataLoader, resumed: dict | None) -> None:
         """Fill in max_steps, epochs and the logging/eval/save intervals of self.state."""
         # Ranks may hold different numbers of batches; every rank takes as many steps as the fullest one.
@@ -203,7 +211,7 @@ class Trainer(EvaluationMixin):
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         self._start_afresh()
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm)
+        choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm, key=self._call_key())
         resume_path, self.saves.run = choice.path, choice.run
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         sampler = self.get_train_sampler()
