@@ -259,8 +259,9 @@ class Bucket:
         if grad.data_ptr() == view.data_ptr():
             return False  # accumulated in place (gradient_as_bucket_view): divided at launch, when all is in
         with torch.no_grad():  # a gradient of create_graph=True requires grad itself
-            # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing.
-            torch.div(grad, divisor, out=view)
+            # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing. Copied
+            # gradients are multiplied by the reciprocal, as torch's reducer does, for its bits on any world size.
+            torch.mul(grad, 1.0 / divisor, out=view)
         return True
 
     def fill(self, filled: list[bool], divisor: float | None) -> None:
@@ -285,11 +286,18 @@ class Bucket:
             torch._foreach_copy_(dst, src)
         if divisor is None:
             return
-        # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing.
-        if len(dst) + len(in_place) + zeros == len(self.members):
-            self.flat.div_(divisor)  # one pass: far cheaper than a foreach of many
-        elif dst or in_place:
-            torch._foreach_div_(dst + in_place, divisor)
+        # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing. As torch's
+        # reducer: a copied gradient times the reciprocal, one accumulated in its view divided (its bits, for
+        # 3 ranks too; for 2 the two are the same).
+        if not in_place and len(dst) + zeros == len(self.members):
+            self.flat.mul_(1.0 / divisor)  # one pass: far cheaper than a foreach of many
+        elif not dst and len(in_place) + zeros == len(self.members):
+            self.flat.div_(divisor)
+        else:
+            if dst:
+                torch._foreach_mul_(dst, 1.0 / divisor)
+            if in_place:
+                torch._foreach_div_(in_place, divisor)
 
     # -- launch, wait, write back: the reduction's part ----------------------------------------------------------
     def launch(self, backward: int) -> Any:

@@ -252,7 +252,9 @@ class Comm(Observed):
                         offset = 0
                         for t in chunk:
                             nbytes = t.numel() * t.element_size()
-                            t.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+                            # Through .data, as torch's broadcast writes them: the autograd version stays, so a
+                            # graph that saved a BatchNorm's running stats (a second forward before backward) holds
+                            t.data.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
                             offset += nbytes
 
     # -- Python objects -----------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ddp_checks as checks
+from .ddp_checks import ReplicaDivergenceError  # noqa: F401 - ddpkit.ddp.ReplicaDivergenceError, as before
 from .comm import Comm
 from .ddp_surface import TorchSurface, install_refusals
 from .join import Join, refuse_stage_2, training_forward
@@ -113,10 +114,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self._grad_shards = GradShards(self.module, [p for _, p in named], self._comm) if self.zero_stage == 2 \
             else None
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self._comm, self.bucket_cap_mb,
-                               self.gradient_as_bucket_view, default_sync=lambda: self.require_backward_grad_sync,
+                               self.gradient_as_bucket_view, default_sync=self._unarmed_sync,
                                reduction=self._grad_shards.reduction if self._grad_shards else None)
         self.reducer.recorder = recorder_for(self._comm)  # the timeline, when one records (else a no-op)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
+        self._forward_sync = (False, -1)  # (the last forward's decision, reducer.armed then): none yet
         self._reached: set[int] = set()
         self._reached_window = -1
 
@@ -226,11 +228,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.require_forward_param_sync = self.require_backward_grad_sync
         if self.reducer is None:
             return output
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
+        self._forward_sync = (sync, self.reducer.armed)  # for a backward no output below arms (_unarmed_sync)
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
         nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
         if not nodes:
             return output  # nothing to arm: the first gradient hook opens the window instead
-        sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
         if sync and self.find_unused_parameters:
             self._note_reachable(tensors)
         # A pre-hook on the nodes that produced the outputs runs first in the backward pass that uses them, in
@@ -240,6 +243,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         for node in nodes:
             node.register_prehook(arm)
         return output
+
+    def _unarmed_sync(self) -> bool | None:
+        """The reducer's question for a backward no armed output reached: the last forward's decision if no
+        backward took it yet (outputs in an object no traversal finds, a loss on tensors the forward did not
+        return), else None: no forward of the wrapper led here, and the gradients stay local, as in torch."""
+        sync, armed = self._forward_sync
+        return sync if armed == self.reducer.armed else None
 
     def _note_reachable(self, outputs: list[torch.Tensor]) -> None:
         """Walk the graph the forward built; parameters it cannot reach need not be waited for in backward."""
@@ -327,21 +337,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         """
         if self._grad_shards is not None:
             self._grad_shards.wait_all()
-        if self.reducer is None:
-            return
-        named = [(n, p) for n, p in self.module.named_parameters()]
-        with torch.no_grad():
-            prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
-        every = self._comm.all_gather(prints.view(torch.int64), what).cpu()
-        for rank in range(1, every.shape[0]):
-            rows = (every[rank] != every[0]).any(dim=1).nonzero()
-            if len(rows):
-                name = named[int(rows[0])][0]
-                raise ReplicaDivergenceError(
-                    f"rank {rank}'s replica differs from rank 0's, first at parameter '{name}' "
-                    f"({len(rows)} parameter(s) differ). Something changed parameters on one rank only: an "
-                    "update outside backward/optimizer.step, a non-deterministic op applied to parameters, or "
-                    "a rank that skipped an optimizer step")
+        if self.reducer is not None:
+            checks.check_replicas(self.module, self._comm, what)
 
     @property
     def bucket_plan(self) -> list[list[str]]:
@@ -363,8 +360,16 @@ class _SplitForDynamo:
     bucket_bytes_cap: int
 
 
-class ReplicaDivergenceError(RuntimeError):
-    """The replicas of the model are no longer identical across ranks."""
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output: pytree's, and those in dataclass fields (as torch's wrapper finds)."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                found += _tensors_in(getattr(leaf, field.name))
+    return found
 
 
 def _arm_window(reducer: Reducer, sync: bool, grad_outputs: Any) -> None:

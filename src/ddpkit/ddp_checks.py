@@ -174,3 +174,25 @@ def _describe(entry: tuple) -> str:
     kind, name, shape, dtype, *rest = entry
     grad = "" if not rest else (", requires_grad" if rest[0] else ", frozen")
     return f"{kind} '{name}' {list(shape)} {dtype.replace('torch.', '')}{grad}"
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The replicas of the model are no longer identical across ranks."""
+
+
+def check_replicas(module: nn.Module, comm: Comm, what: str) -> None:
+    """DistributedDataParallel.check_replicas: one all-gather of each parameter's float64 sum and sum of squares,
+    compared bit for bit with rank 0's; raises on every rank, naming the first diverging rank and parameter."""
+    named = list(module.named_parameters())
+    with torch.no_grad():
+        prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
+    every = comm.all_gather(prints.view(torch.int64), what).cpu()
+    for rank in range(1, every.shape[0]):
+        rows = (every[rank] != every[0]).any(dim=1).nonzero()
+        if len(rows):
+            name = named[int(rows[0])][0]
+            raise ReplicaDivergenceError(
+                f"rank {rank}'s replica differs from rank 0's, first at parameter '{name}' ({len(rows)} "
+                "parameter(s) differ). Something changed parameters on one rank only: an update outside "
+                "backward/optimizer.step, a non-deterministic op applied to parameters, or a rank that skipped an "
+                "optimizer step")

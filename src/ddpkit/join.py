@@ -186,11 +186,14 @@ class DDPJoinHook(JoinHook):
             for bucket in self.stand_ins:
                 bucket.storage.zero_()  # this rank used no parameter: zero usage flags too, where they ride
                 handles.append(bucket.launch(number))
-            usage_work = None
+            usage_work, usage = None, None
             if not self.stand_ins[-1].usage_numel:  # the counts as their own collective: zeros beside the others'
                 usage = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
+            if usage is not None and not reducer.reduction.chains:
                 usage_work = reducer.sum_usage(usage, number)
             results = [bucket.wait(handle) for bucket, handle in zip(self.stand_ins, handles)]
+            if usage is not None and reducer.reduction.chains:  # after a hook's chained collectives, as the others
+                usage_work = reducer.sum_usage(usage, number)
             if usage_work is not None:
                 reducer.comm.wait(usage_work)
             counts = usage if usage_work is not None else self.stand_ins[-1].usage

@@ -68,7 +68,7 @@ class Reducer:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], comm: Comm,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, gradient_as_bucket_view: bool = False,
                  first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB,
-                 default_sync: Callable[[], bool] = lambda: True, divisor: float | None = None,
+                 default_sync: Callable[[], bool | None] = lambda: True, divisor: float | None = None,
                  reduction: Reduction | None = None):
         if not params:
             raise ValueError("there are no parameters that require a gradient to reduce")
@@ -80,7 +80,10 @@ class Reducer:
         if self.cap_bytes <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.default_sync = default_sync  # whether a backward that no forward armed should synchronise
+        # Whether a backward that no forward's output armed synchronises; None: it stays local (no forward of the
+        # wrapper led to it: a backward through the bare module, as torch's reducer leaves it)
+        self.default_sync = default_sync
+        self.armed = 0  # backward passes armed so far (a forward's decision is for the next one only)
         self.divisor = divisor
         self.reduction: Reduction = reduction or AllReduce(comm)
         self.specs = [ParamSpec(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
@@ -143,6 +146,7 @@ class Reducer:
                 return
             self._abandon(window)  # the previous backward raised before its finalize ran
         sync, self._sync_requested = sync or self._sync_requested, False
+        self.armed += 1
         window = self.window = Window(task, self.recorder.begin())
         if sync:
             self._open_sync(window)
@@ -183,8 +187,12 @@ class Reducer:
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         window = self.window
         if window is None or not window.open:
-            # No armed output reached this backward (the forward's outputs were not tensors we could wrap).
-            self.arm(self.default_sync())
+            # No armed output reached this backward (the forward's outputs were not tensors we could find, or no
+            # forward of the wrapper made them).
+            sync = self.default_sync()
+            if sync is None and not self._sync_requested:
+                return
+            self.arm(bool(sync))
             window = self.window
         uses = self.uses
         if not uses.flags[index]:
@@ -270,7 +278,7 @@ class Reducer:
             if bucket.usage_numel:
                 window.usage_counts = self._write_usage(bucket.usage)
             window.inflight[bucket.index] = bucket.launch(window.number)
-        if window.next_launch == len(self.buckets) and not bucket.usage_numel:
+        if window.next_launch == len(self.buckets) and not bucket.usage_numel and not self.reduction.chains:
             self._launch_usage(window)
 
     def _write_usage(self, into: torch.Tensor) -> torch.Tensor:
@@ -318,6 +326,8 @@ class Reducer:
             self._launch(window, bucket)
         results = [bucket.wait(handle) for bucket, handle in zip(self.buckets, window.inflight)]
         window.inflight = [None] * len(self.buckets)
+        if self.reduction.chains and not self.buckets[-1].usage_numel:
+            self._launch_usage(window)  # after the last collective the hook chained (reduction.chains)
         if window.usage is not None:
             self.comm.wait(window.usage)
             window.usage = None

@@ -5,6 +5,8 @@ every rank) and the divisor; a `Reduction` decides only the collective and the w
 
     shards    the bucket's storage is padded to a multiple of this and split into that many equal flat shards
     divides   whether the bucket is divided by the divisor while it is filled (a comm hook divides itself)
+    chains    whether its collectives may still be issued after start() returned, from other threads (a comm
+              hook's future callbacks): the reducer's own collective then waits until every bucket is in
     carries_usage(layout)  whether the per-parameter usage flags can travel in the collective of the bucket laid
               out so (after its gradients and padding: `Bucket.usage`), summed over the ranks there; the reducer
               puts them in the last bucket's when they can, else they are a collective of their own
@@ -39,6 +41,7 @@ class Reduction:
 
     shards = 1
     divides = True
+    chains = False
 
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -82,6 +85,10 @@ class CommHookReduction(AllReduce):
     gets the undivided local sums and returns the average."""
 
     divides = False
+    # Its collectives may go on being issued from its futures' callbacks, on other threads (PowerSGD chains
+    # several per bucket), until those futures complete: a collective of the reducer's own must come after all
+    # of them, or the ranks could pair it with one of the hook's (gloo's "collective mismatch").
+    chains = True
 
     def __init__(self, comm: Comm, state: Any, hook: CommHook):
         super().__init__(comm)
