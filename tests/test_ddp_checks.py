@@ -36,6 +36,15 @@ def _lin():
     return torch.nn.Linear(3, 3)
 
 
+def _annotated(bucket: object = None, returns: object = None):
+    """A comm hook annotated with these objects (not strings, whatever this module's __future__ import)."""
+    def hook(state, bucket):
+        raise AssertionError("never called")
+
+    hook.__annotations__ = {k: v for k, v in (("bucket", bucket), ("return", returns)) if v is not None}
+    return hook
+
+
 SAME_TYPE = [
     ("no parameter requires a gradient", lambda cls: cls(_lin().requires_grad_(False)), r"requires a gradient"),
     ("no parameters at all", lambda cls: cls(torch.nn.ReLU()), r"requires a gradient"),
@@ -52,6 +61,10 @@ SAME_TYPE = [
     ("a bucket of NaN MiB", lambda cls: cls(_lin(), bucket_cap_mb=float("nan")), r"bucket_cap_mb"),
     ("a comm hook that is not callable", lambda cls: cls(_lin()).register_comm_hook(None, "allreduce"),
      r"callable"),
+    ("a comm hook whose bucket is annotated a tensor",
+     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(bucket=torch.Tensor)), r"GradBucket"),
+    ("a comm hook annotated to return a tensor",
+     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(returns=torch.Tensor)), r"Future"),
     ("pickling over a group other than the default",
      lambda cls: pickle.dumps(cls(_lin(), process_group=dist.new_group([0]))), r"default process group"),
     ("a logging sample rate below 1", lambda cls: cls(_lin())._set_ddp_runtime_logging_sample_rate(0),

@@ -291,8 +291,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the bucket all-reduce by `hook(state, bucket) -> Future[Tensor]`, before the first backward."""
-        if not callable(hook):
-            raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+        checks.check_comm_hook(hook)
         if self.zero_stage == 2:
             raise RuntimeError("a comm hook replaces the bucket reduction, and zero_stage=2 needs its own "
                                "(a reduce-scatter into this rank's shard); use zero_stage=0 to register hooks")

@@ -196,3 +196,26 @@ def check_replicas(module: nn.Module, comm: Comm, what: str) -> None:
                 "parameter(s) differ). Something changed parameters on one rank only: an update outside "
                 "backward/optimizer.step, a non-deterministic op applied to parameters, or a rank that skipped an "
                 "optimizer step")
+
+
+def check_comm_hook(hook: Any) -> None:
+    """torch's checks of a comm hook, with its exception types: callable, and where annotated (with objects:
+    a string annotation, from `from __future__ import annotations`, is taken on trust), a GradBucket in and a
+    Future of a tensor out."""
+    import inspect
+
+    if not callable(hook):
+        raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing annotated to check
+    bucket = signature.parameters.get("bucket")
+    annotation = bucket.annotation if bucket is not None else inspect.Parameter.empty
+    if not isinstance(annotation, str) and annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError(f"the comm hook's bucket parameter is annotated {annotation!r}; it gets a "
+                         "torch.distributed.GradBucket")
+    returned = signature.return_annotation
+    if not isinstance(returned, str) and returned not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(f"the comm hook's return annotation is {returned!r}; it must return a "
+                         "torch.futures.Future[torch.Tensor]")
