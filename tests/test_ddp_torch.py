@@ -116,3 +116,39 @@ def test_the_average_over_3_ranks_is_torchs_to_the_bit():
     """A copied gradient is multiplied by 1/3 (torch's reducer), one accumulated in its bucket view divided by 3:
     dividing everything by 3 differed from torch in 504 of 1280 elements (by up to 2.1e-7)."""
     assert run_world(averaging, 3, deadline_s=60) == [[True] * 4] * 3
+
+
+class Box:
+    """An output no traversal finds tensors in (neither pytree nor dataclass)."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class BoxNet(Net):
+    def forward(self, x):
+        return Box(super().forward(x))
+
+
+def output_kinds(world):
+    """Two forwards, then two backward() calls, and a retain_graph backward twice: whatever the forward returns
+    (a tensor, whose nodes are armed, or an object no traversal finds), the same synchronised gradients."""
+    import ddpkit
+
+    grads = {}
+    for kind, make, logits in (("tensor", Net, lambda y: y), ("box", BoxNet, lambda y: y.logits)):
+        torch.manual_seed(0)
+        net = make()
+        ddp = ddpkit.DistributedDataParallel(net)
+        outputs = [logits(ddp(_x(world, step))) for step in range(2)]
+        for out in outputs:
+            out.square().sum().backward()
+        loss = logits(ddp(_x(world, 2))).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads[kind] = [p.grad.clone() for p in net.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(grads["tensor"], grads["box"]))
+
+
+def test_what_the_forward_returns_does_not_change_which_backwards_synchronise():
+    assert run_world(output_kinds, 2, deadline_s=60) == [True, True]

@@ -260,7 +260,7 @@ class Bucket:
             return False  # accumulated in place (gradient_as_bucket_view): divided at launch, when all is in
         with torch.no_grad():  # a gradient of create_graph=True requires grad itself
             # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing. Copied
-            # gradients are multiplied by the reciprocal, as torch's reducer does, for its bits on any world size.
+            # gradients are multiplied by the reciprocal, as torch's reducer does (see fill).
             torch.mul(grad, 1.0 / divisor, out=view)
         return True
 
@@ -287,8 +287,9 @@ class Bucket:
         if divisor is None:
             return
         # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing. As torch's
-        # reducer: a copied gradient times the reciprocal, one accumulated in its view divided (its bits, for
-        # 3 ranks too; for 2 the two are the same).
+        # reducer: a copied gradient times the reciprocal, one accumulated in its view divided (for 2 ranks the
+        # two are the same; on 3, gloo's ring adds an element in an order set by its offset in the buffer, so
+        # the sums are torch's bits only where the buffers are laid out alike).
         if not in_place and len(dst) + zeros == len(self.members):
             self.flat.mul_(1.0 / divisor)  # one pass: far cheaper than a foreach of many
         elif not dst and len(in_place) + zeros == len(self.members):
