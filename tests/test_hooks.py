@@ -52,3 +52,30 @@ def test_comm_hooks():
     for label in a:
         assert a[label][1] == b[label][1], f"{label}: replicas diverged"
     assert a["fp16"][0] > 0, "fp16 compression changed nothing: the hook did not run"
+
+
+def _never_completes(state, bucket):
+    return torch.futures.Future()  # nobody ever sets it: a hook stuck as PowerSGD's can be on gloo
+
+
+def hook_that_never_completes(world):
+    import time
+
+    import ddpkit
+
+    ddp = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 4))
+    ddp.register_comm_hook(None, _never_completes)
+    began = time.monotonic()
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the type and the words are the result
+        return type(exc).__name__, str(exc), time.monotonic() - began
+    return "no error", "", time.monotonic() - began
+
+
+def test_a_hook_future_that_never_completes_times_out_as_a_collective_would():
+    """A future has no timeout of its own: waited for without one, the backward hung for ever."""
+    for kind, text, took in run_world(hook_that_never_completes, 2, collective_timeout_s=4, stall_seconds=0,
+                                      deadline_s=60):
+        assert "Timed out after 4 s" in text and "comm_hook (bucket 0, backward 1)" in text, (kind, text)
+        assert took < 20, took

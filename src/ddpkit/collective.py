@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -227,6 +228,7 @@ class Observed:
         if isinstance(pending, torch._C.Future):
             record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
             with self._blocking(record):
+                _bounded(pending, getattr(self, "timeout_s", None), record)
                 return pending.wait()
         pending.wait()
         return None
@@ -235,6 +237,29 @@ class Observed:
         """Number and log a collective issued elsewhere (a comm hook's), so that waits on it are explained.
         device: where its tensors are (a bucket's), so that a wait that returns before it completed is seen."""
         return self._record(op, what, nbytes, self.deferred_on(device))
+
+
+def _bounded(future: torch.futures.Future, timeout_s: float | None, record: CollectiveRecord) -> None:
+    """Wait until `future` is done, no longer than the group's timeout: a future has no timeout of its own, and
+    one a comm hook returns may never complete (PowerSGD's blocking wait inside a callback, on gloo with several
+    buckets, starves gloo's threads), where every collective of the group would have timed out."""
+    if timeout_s is None or future.done():
+        return
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout_s):
+        raise RuntimeError(f"Timed out after {timeout_s:.0f} s (the process group's timeout) waiting for collective "
+                           f"#{record.seq} {record.op} ({record.what}), a future that never completed")
+
+
+def group_timeout(pg: Any) -> float | None:
+    """A process group's collective timeout in seconds (its backend's options), or None where they do not say."""
+    for device in ("cpu", "cuda", "xpu", "npu", "hpu", "mlu"):  # the first device type the group has a backend for
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 # Backends whose wait blocks the CPU until the collective completed, whatever the tensors' device: gloo runs its
