@@ -78,6 +78,12 @@ def patterns(world):
         ddp.zero_grad()
         ddp(_x(world, 5)).sum().backward()
     out["bare module on rank 0, then a step"] = _same_grads(ours, theirs)
+    ours, theirs = _pair(BoxNet)  # an output torch's traversal does not enter, ours does (its attributes)
+    for ddp in (ours, theirs):
+        ddp(_x(world, 11)).logits.sum().backward()
+        ddp.zero_grad()
+        ddp.module(_x(world, 12)).logits.sum().backward()  # the bare module after such a step: local too
+    out["bare module after a plain-object output"] = _same_grads(ours, theirs)
     ours, theirs = _pair(lambda: Net(wrap=True))
     for ddp in (ours, theirs):
         with ddp.no_sync():

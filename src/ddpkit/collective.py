@@ -228,7 +228,7 @@ class Observed:
         if isinstance(pending, torch._C.Future):
             record = record or CollectiveRecord(self.seq, "future", "", 0, time.monotonic())
             with self._blocking(record):
-                _bounded(pending, getattr(self, "timeout_s", None), record)
+                _bounded(pending, getattr(self, "pg", None), record)
                 return pending.wait()
         pending.wait()
         return None
@@ -239,11 +239,13 @@ class Observed:
         return self._record(op, what, nbytes, self.deferred_on(device))
 
 
-def _bounded(future: torch.futures.Future, timeout_s: float | None, record: CollectiveRecord) -> None:
-    """Wait until `future` is done, no longer than the group's timeout: a future has no timeout of its own, and
-    one a comm hook returns may never complete (PowerSGD's blocking wait inside a callback, on gloo with several
-    buckets, starves gloo's threads), where every collective of the group would have timed out."""
-    if timeout_s is None or future.done():
+def _bounded(future: torch.futures.Future, pg: Any, record: CollectiveRecord) -> None:
+    """Wait until `future` is done, no longer than the timeout of group `pg` (read now: it may have been changed
+    since the group was made): a future has no timeout of its own, and one a comm hook returns may never complete
+    (PowerSGD's blocking wait inside a callback, on gloo with several buckets, starves gloo's threads), where
+    every collective of the group would have timed out."""
+    timeout_s = None if pg is None or future.done() else group_timeout(pg)
+    if timeout_s is None:
         return
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())

@@ -35,7 +35,6 @@ from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: par
     _chunks,
     _DoneWork,
     completes_later,
-    group_timeout,
 )
 from .env import DistEnv
 
@@ -54,7 +53,6 @@ class Comm(Observed):
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.backend = dist.get_backend(group) if self.active else "none"
-        self.timeout_s = group_timeout(self.pg) if self.active else None  # what bounds a future's wait too
         super().__init__(log_size)
         # Reduce-scatter and all-gather of CPU tensors as point-to-point messages (ddpkit.pairwise says why, with
         # the figures): gloo's own collectives for them are slower. Tests set False to compare.

@@ -118,7 +118,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
                                reduction=self._grad_shards.reduction if self._grad_shards else None)
         self.reducer.recorder = recorder_for(self._comm)  # the timeline, when one records (else a no-op)
         self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
-        self._forward_sync = (False, -1, False)  # (the last forward's decision, reducer.armed then, sticks)
+        self._forward_sync = (False, -1)  # (the last forward's decision, reducer.armed then): none yet
         self._reached: set[int] = set()
         self._reached_window = -1
 
@@ -231,8 +231,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
-        # For a backward no output below arms (_unarmed_sync): this decision, and whether it sticks
-        self._forward_sync = (sync, self.reducer.armed, not nodes)
+        self._forward_sync = (sync, self.reducer.armed)  # for a backward no output below arms (_unarmed_sync)
         if not nodes:
             return output  # nothing to arm: the first gradient hook opens the window instead
         if sync and self.find_unused_parameters:
@@ -246,14 +245,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         return output
 
     def _unarmed_sync(self) -> bool | None:
-        """The reducer's question for a backward no armed output reached: the last forward's decision. When that
-        forward's outputs were armed, only until a backward took it (a parameter reached first through a loss
-        term the forward did not return); after that, None: no forward of the wrapper leads to this backward (one
-        through the bare module), and its gradients stay local, as in torch. When its outputs could not be found
-        (a plain object), for every backward until the next forward, as armed outputs are for every backward
-        through them (two forwards, then two backward() calls)."""
-        sync, armed, sticks = self._forward_sync
-        return sync if sticks or armed == self.reducer.armed else None
+        """The reducer's question for a backward no armed output reached: the last forward's decision until a
+        backward took it (a parameter reached first through a loss term the forward did not return, outputs no
+        traversal finds); after that, None: no forward of the wrapper leads to this backward (one through the bare
+        module), and its gradients stay local, as in torch."""
+        sync, armed = self._forward_sync
+        return sync if armed == self.reducer.armed else None
 
     def _note_reachable(self, outputs: list[torch.Tensor]) -> None:
         """Walk the graph the forward built; parameters it cannot reach need not be waited for in backward."""
@@ -363,15 +360,19 @@ class _SplitForDynamo:
     bucket_bytes_cap: int
 
 
-def _tensors_in(output: Any) -> list[torch.Tensor]:
-    """The tensors of a forward's output: pytree's, and those in dataclass fields (as torch's wrapper finds)."""
+def _tensors_in(output: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a forward's output: pytree's, those in dataclass fields (as torch's wrapper finds) and, a
+    few levels down, in a plain object's attributes (torch's finds none there; armed, their backward passes
+    are told from one through the bare module)."""
     found = []
     for leaf in tree_flatten(output)[0]:
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for field in dataclasses.fields(leaf):
-                found += _tensors_in(getattr(leaf, field.name))
+                found += _tensors_in(getattr(leaf, field.name), depth)
+        elif depth < 2 and hasattr(leaf, "__dict__") and not isinstance(leaf, (type, nn.Module)):
+            found += _tensors_in(list(vars(leaf).values()), depth + 1)
     return found
 
 
