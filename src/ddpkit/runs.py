@@ -46,17 +46,23 @@ def _recorded(output_dir: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def _of_launch(found: dict, job: str | None, name: str) -> list | None:
+    """The run file's list `name` (calls, keys, ends) when launch `job` recorded it, else None."""
+    value = found.get(name) if job is not None and found.get("job") == job else None
+    return value if isinstance(value, list) else None
+
+
 def current_run(output_dir: str, job: str | None = None, call: int = 0) -> str | None:
     """The id of the run that last started in output_dir, or None (none did, or an older ddpkit's). job: the
     launch asking (DistEnv.job): a run recorded by another launch is not returned, since a restart of this
     launch whose first attempt failed before recording its run must not take up an earlier launch's. call: which
     of that launch's train() calls asks (call_index): the run that call trained in an earlier attempt, or None."""
     found = _recorded(output_dir)
-    run, calls = found.get("run"), found.get("calls")
+    run, calls = found.get("run"), _of_launch(found, job, "calls")
     if job is not None:
         if found.get("job") != job:
             return None
-        if isinstance(calls, list):
+        if calls is not None:
             run = calls[call] if call < len(calls) else None
         elif call > 0:  # a file that lists no calls records the first call's run
             return None
@@ -79,13 +85,12 @@ def call_slot(output_dir: str, job: str | None, position: int, key: str | None) 
     attempt (call_index) when that one trained the same (`key`, what it trains: call_key) or nothing says, else
     the first recorded one that did (a script that skips a stage done in the earlier attempt), else a new one."""
     found = _recorded(output_dir)
-    keys = found.get("keys") if job is not None and found.get("job") == job else None
-    if not isinstance(keys, list) or key is None or (position < len(keys) and keys[position] in (key, None)):
+    keys = _of_launch(found, job, "keys")
+    if keys is None or key is None or (position < len(keys) and keys[position] in (key, None)):
         return position
     if key in keys:
         return keys.index(key)
-    calls = found.get("calls")
-    return max(position, len(calls) if isinstance(calls, list) else 0, len(keys))
+    return max(position, len(_of_launch(found, job, "calls") or []), len(keys))
 
 
 def call_key(*parts: object) -> str:
@@ -96,9 +101,8 @@ def call_key(*parts: object) -> str:
 def call_end(output_dir: str, job: str | None, call: int) -> int | None:
     """The step at which train() call `call` of launch `job` finished in an earlier attempt (mark_ended), or
     None: a later call that continued its run (resuming its checkpoint) may have saved newer ones since."""
-    found = _recorded(output_dir)
-    ends = found.get("ends") if job is not None and found.get("job") == job else None
-    end = ends[call] if isinstance(ends, list) and call < len(ends) else None
+    ends = _of_launch(_recorded(output_dir), job, "ends")
+    end = ends[call] if ends is not None and call < len(ends) else None
     return end if isinstance(end, int) else None
 
 
@@ -107,7 +111,7 @@ def mark_ended(output_dir: str, job: str | None, call: int, step: int) -> None:
     found = _recorded(output_dir)
     if job is None or found.get("job") != job:
         return
-    found["ends"] = _put(found.get("ends") if isinstance(found.get("ends"), list) else [], call, step)
+    found["ends"] = _put(_of_launch(found, job, "ends") or [], call, step)
     write_json(os.path.join(output_dir, RUN_FILE), found)
 
 
@@ -119,14 +123,10 @@ def mark_current(output_dir: str, run: str, resumed_from: str | None, job: str |
     os.makedirs(output_dir, exist_ok=True)
     found = _recorded(output_dir) if job is not None else {}
     slot = call if slot is None else slot
-
-    def listed(name: str) -> list:
-        value = found.get(name) if found.get("job") == job else None
-        return value if isinstance(value, list) else []
-
+    calls, keys = _of_launch(found, job, "calls") or [], _of_launch(found, job, "keys") or []
     write_json(os.path.join(output_dir, RUN_FILE), {
         "run": run, "resumed_from": resumed_from, "job": job, "attempt": attempt, "taken": call + 1,
-        "calls": _put(listed("calls"), slot, run), "keys": _put(listed("keys"), slot, key), "ends": listed("ends"),
+        "calls": _put(calls, slot, run), "keys": _put(keys, slot, key), "ends": _of_launch(found, job, "ends") or [],
         "started": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
