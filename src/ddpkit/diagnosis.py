@@ -159,12 +159,17 @@ def left_deadlock(mine: State, left: dict[int, dict[str, Any]]) -> str | None:
     return "\n".join(lines)
 
 
+def waited_in(me: int, waiting: Any) -> str:
+    """'Rank 0 was in collective #2 all_reduce (loss)', for a wait (seq, op, what, ...)."""
+    return f"Rank {me} was in collective #{waiting[0]} {waiting[1]} ({waiting[2]})"
+
+
 def peer_failed(rank: int, text: str, me: int, waiting: Any = None) -> str:
     """What rank `me` raises when rank `rank` died of an exception (its posted traceback, `text`): that
     exception's last line (the launcher shows the whole traceback as the root cause), and the collective `me`
     waited in, if any (waiting: its (seq, op, what, ...))."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    where = f" Rank {me} was in collective #{waiting[0]} {waiting[1]} ({waiting[2]})." if waiting else ""
+    where = f" {waited_in(me, waiting)}." if waiting else ""
     return f"rank {rank} failed with {lines[-1].strip() if lines else 'an exception'}, so rank {me} stops.{where}"
 
 

@@ -200,11 +200,11 @@ class StallMonitor:
             report, failed, left, gone = self.deadlock, None, {}, None
         if report:
             return DeadlockError(f"{report}\n(the collective failed with: {error})")
+        where = (record.seq, record.op, record.what)
         if failed:  # the peer's exception broke the collective: say so, not only that its connection closed
-            where = (record.seq, record.op, record.what)
             return PeerFailedError(f"{diagnosis.peer_failed(*failed, self.rank, where)}\n(the collective failed "
                                    f"with: {error})")
-        waits = f"Rank {self.rank} was in collective #{record.seq} {record.op} ({record.what})"
+        waits = diagnosis.waited_in(self.rank, where)
         if left or gone:
             # The root cause: who left before issuing this collective; one that joined it and left later did not.
             early = [m for m in left.values() if m["seq"] < record.seq] or list(left.values())
