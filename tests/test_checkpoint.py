@@ -154,6 +154,47 @@ def test_save_killed_with_sigkill_leaves_previous_checkpoint(tmp_path):
     assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-3"]
 
 
+def _resave_killed_between_renames(out: str) -> None:
+    """Re-save checkpoint-10 and die (as kill -9 would: no cleanup) right after the old one was moved aside."""
+    real = os.replace
+
+    def replace(src, dst):
+        real(src, dst)
+        if os.path.basename(dst).startswith(".trash-checkpoint-10"):
+            os._exit(137)
+
+    os.replace = replace
+    save_small(out, 10, small_model(seed=2), state={"global_step": 10, "again": True})
+
+
+def test_a_resave_killed_between_its_two_renames_loses_neither_checkpoint(tmp_path):
+    """Re-saving a step moves the older folder aside, then renames the new one into place: a kill in between
+    leaves only hidden folders. The next start publishes the whole new one instead of sweeping both away."""
+    out = str(tmp_path / "out")
+    save_small(out, 10, small_model())
+    proc = mp.get_context("fork").Process(target=_resave_killed_between_renames, args=(out,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 137
+    assert not os.path.exists(os.path.join(out, "checkpoint-10"))
+    assert sorted(n[:len(".trash-")] for n in os.listdir(out)) == [".tmp-ch", ".trash-"]
+    ckpt.remove_stale(out)  # what claiming the output_dir at the next start does
+    assert os.listdir(out) == ["checkpoint-10"]
+    assert ckpt.load_checkpoint(os.path.join(out, "checkpoint-10")).trainer_state["again"] is True
+    # A temporary folder that is not whole (its marker not yet written, or a file short) is never published.
+    for broken in ("marker", "short"):
+        path = save_small(tmp_path / broken, 3, small_model())
+        tmp = os.path.join(os.path.dirname(path), ".tmp-checkpoint-3-0123abcd")
+        os.replace(path, tmp)
+        if broken == "marker":
+            os.remove(os.path.join(tmp, integrity.MARKER_FILE))
+        else:
+            with open(os.path.join(tmp, "model.safetensors"), "r+b") as f:
+                f.truncate(100)
+        assert ckpt.remove_stale(str(tmp_path / broken)) == [tmp]
+        assert os.listdir(tmp_path / broken) == []
+
+
 def _ranks_save_and_load(world, out: str):
     model = small_model()
     torch.manual_seed(100 + world.rank)

@@ -24,6 +24,7 @@ PREFIX = "checkpoint"
 TRAINER_STATE_FILE = "trainer_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 _ASIDE = re.compile(rf"^{PREFIX}-(\d+)\.run-(.+)$")  # aside_name's
+_TMP = re.compile(rf"^\.tmp-{PREFIX}-(\d+)-[0-9a-f]+$")  # a save's folder until published (ddpkit.checkpoint)
 
 
 def fsync_path(path: str) -> None:
@@ -111,10 +112,12 @@ def remove_stale(output_dir: str) -> list[str]:
     """Delete what killed saves and rotations left behind; the paths removed.
 
     That is hidden temporary and trash folders, and checkpoint-<step> folders that hold neither a completion
-    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). Call it
+    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). A whole
+    temporary folder whose checkpoint-<step> name is free is published first (_finish_publishing). Call it
     only while this run owns output_dir (see ddpkit.lock): another run's temporary folder would go too."""
     if not os.path.isdir(output_dir):
         return []
+    _finish_publishing(output_dir)
     removed = []
     for name in os.listdir(output_dir):
         path = os.path.join(output_dir, name)
@@ -124,6 +127,41 @@ def remove_stale(output_dir: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _finish_publishing(output_dir: str) -> list[str]:
+    """Publish what a kill interrupted between a save's two renames: a whole temporary checkpoint-<step> folder
+    (its marker written, every file as the marker says) whose final name is free. Re-saving a step moves the
+    older folder aside before the new one takes its name; a kill in between leaves only the hidden folders, which
+    remove_stale would delete, both. The newer is published instead (the older then goes as debris). Returns the
+    checkpoints published."""
+    candidates: dict[int, list[tuple[float, str]]] = {}
+    for name in os.listdir(output_dir):
+        match = _TMP.match(name)
+        path = os.path.join(output_dir, name)
+        if match is not None and os.path.isdir(path):
+            candidates.setdefault(int(match.group(1)), []).append((os.path.getmtime(path), path))
+    published = []
+    for step, found in candidates.items():
+        final = os.path.join(output_dir, f"{PREFIX}-{step}")
+        if os.path.exists(final):
+            continue
+        for _, path in sorted(found, reverse=True):  # the newest whole one, if two saves were killed so
+            if _whole(path, step):
+                os.replace(path, final)
+                fsync_path(output_dir)
+                published.append(final)
+                break
+    return published
+
+
+def _whole(path: str, step: int) -> bool:
+    """Whether a temporary checkpoint folder is finished: a marker for `step`, and every file it lists intact."""
+    try:
+        marker = read_marker(path)
+    except CheckpointError:
+        return False
+    return marker is not None and marker.get("step") == step and not problems(path)
 
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str | tuple[str, ...] | None = None,
