@@ -236,6 +236,22 @@ def test_a_finished_pass_resumes_to_nothing_but_starts_over_in_process():
     assert list(resumed) == full  # its empty pass finished the epoch, so the next pass starts over too
 
 
+@FAST
+@given(n=st.integers(1, 40), replicas=worlds, seed=seeds, pulled=st.integers(0, 45), batch=st.integers(1, 5))
+def test_a_pass_broken_off_is_followed_by_a_whole_pass_as_in_torch(n, replicas, seed, pulled, batch):
+    """A peek at the first batch or a loop that breaks off, then a new pass: the whole epoch again, as torch's."""
+    ours = DistributedSampler(range(n), num_replicas=replicas, rank=replicas - 1, seed=seed)
+    theirs = torch.utils.data.DistributedSampler(range(n), num_replicas=replicas, rank=replicas - 1, seed=seed)
+    for sampler in (ours, theirs):
+        list(itertools.islice(iter(sampler), pulled))
+    assert len(ours) == len(theirs) and list(ours) == list(theirs)
+    loaders = [torch.utils.data.DataLoader(range(n), batch_size=batch, sampler=s) for s in (ours, theirs)]
+    for loader in loaders:
+        next(iter(loader), None)
+    assert [len(loader) for loader in loaders] == [len(loaders[1])] * 2
+    assert [b.tolist() for b in loaders[0]] == [b.tolist() for b in loaders[1]]
+
+
 def test_a_full_last_batch_and_a_partial_one_leave_the_same_state():
     # A BatchSampler stops pulling after a full last batch but pulls past the end after a partial one.
     for batch in (4, 3):

@@ -117,8 +117,8 @@ class DistributedSampler(Sampler[int]):
     `consumed` is the global number of positions of this epoch handed out so far (padding included); it
     moves by num_replicas per index this rank yields. A Trainer whose DataLoader prefetches may set it to
     what was really trained on right before `state_dict()`. When a pass ends it stays at the epoch's end
-    (a checkpoint taken then resumes to an empty rest of the epoch); the next pass or `set_epoch` to
-    another epoch starts from 0.
+    (a checkpoint taken then resumes to an empty rest of the epoch). A new pass starts from 0, as torch's
+    does, unless `consumed` was loaded (`load_state_dict`) or set since the last pass moved it.
     """
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
@@ -139,31 +139,30 @@ class DistributedSampler(Sampler[int]):
         self.consumed = 0
         self._token = 0  # bumped by every new pass, set_epoch and load_state_dict: older iterators go quiet
         self._pass_start: int | None = None  # where the latest pass began, so len() holds still during it
-        # consumed as the latest pass left it after its last index; while consumed still says so (no Trainer
-        # overrode it), the next pass starts the epoch over, as torch's does, instead of yielding nothing.
-        self._finished_at: int | None = None
+        # consumed as the latest pass left it, finished or not (a peek at the first batch, a loop that broke
+        # off); while consumed still says so (neither a Trainer nor load_state_dict set it since), the next pass
+        # starts the epoch over, as torch's does, instead of yielding only the rest or nothing.
+        self._left_at: int | None = None
 
     def _position(self) -> int:
-        return 0 if self.consumed == self._finished_at else self.consumed
+        return 0 if self.consumed == self._left_at else self.consumed
 
     def __iter__(self) -> Iterator[int]:
         start = self._position()
         indices = shard_indices(len(self.dataset), self.num_replicas, self.rank, self.shuffle, self.seed,
                                 self.epoch, start, self.drop_last)
         self._token += 1
-        self.consumed, self._pass_start, self._finished_at = start, start, None
+        self.consumed, self._pass_start, self._left_at = start, start, None
         return self._hand_out(indices, start, self._token)
 
     def _hand_out(self, indices: list[int], start: int, token: int) -> Iterator[int]:
         # consumed advances before each yield: a BatchSampler pulls a whole batch before it is trained on.
         for i, index in enumerate(indices):
             if token == self._token:
-                self.consumed = start + (i + 1) * self.num_replicas  # every rank took its (i+1)-th index
-                if i + 1 == len(indices):
-                    self._finished_at = self.consumed
+                self.consumed = self._left_at = start + (i + 1) * self.num_replicas  # all took their (i+1)-th
             yield index
         if not indices and token == self._token:  # an empty rest of the epoch (resumed at its end) is a pass too
-            self._finished_at = self.consumed
+            self._left_at = self.consumed
 
     def __len__(self) -> int:
         """Indices this rank yields in the current pass (the running one, else the next), resumed or not."""
@@ -175,7 +174,7 @@ class DistributedSampler(Sampler[int]):
         """Reshuffle for `epoch`. The same epoch as now keeps the position (e.g. one just loaded)."""
         epoch = _as_int(epoch, "epoch")
         if epoch != self.epoch:
-            self.epoch, self.consumed, self._finished_at = epoch, 0, None
+            self.epoch, self.consumed, self._left_at = epoch, 0, None
         self._token += 1  # iterators of an earlier pass no longer move `consumed`
         self._pass_start = None
 
@@ -196,4 +195,4 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(f"consumed must be >= 0, the checkpoint says {consumed}")
         self.epoch, self.consumed = epoch, consumed
         self._token += 1
-        self._pass_start, self._finished_at = None, None  # a loaded end of epoch resumes to an empty rest
+        self._pass_start, self._left_at = None, None  # a loaded position is resumed, even the epoch's end
