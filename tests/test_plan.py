@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpkit.args import TrainingArguments
-from ddpkit.plan import SavedPlan, StepPlan, epochs_to_train, interval, plan_for, plan_steps, total_steps
+from ddpkit.plan import SavedPlan, SavedRest, StepPlan, epochs_to_train, interval, plan_for, plan_steps, total_steps
 from ddpkit.sampler import remaining_positions
 
 BASE = dict(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=-1,
@@ -54,6 +54,27 @@ def test_a_resumed_run_on_another_world_size_replans_the_epochs_left():
     # A state without a plan (written before max_steps was saved) is re-planned too.
     unplanned = SavedPlan(global_step=30, epoch=1.5, max_steps=0, world_size=2)
     assert plan_steps(batches_per_epoch=40, **BASE, resumed=unplanned).max_steps == 30 + 30
+
+
+def test_the_rest_of_the_saved_epoch_is_counted_as_this_world_batches_it():
+    # 26 samples: 2 ranks x 2 take 7 steps an epoch, 3 ranks x 2 take 5. Saved at step 19, 6 samples of epoch 2
+    # left: one batch a rank on 3 ranks, one step; then no epoch is left.
+    saved = SavedPlan(global_step=19, epoch=2 + 20 / 26, max_steps=21, world_size=2, asked=(-1, 3.0),
+                      train_batch_size=4, steps_per_epoch=7)
+    three = {**BASE, "world_size": 3, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+             "num_train_epochs": 3}
+    assert plan_steps(batches_per_epoch=5, **three, resumed=saved).max_steps == 21  # by the fraction: 1 too many
+    assert plan_steps(batches_per_epoch=5, **three, resumed=saved, rest=SavedRest(2, 1)).max_steps == 20
+    # Epochs after the saved one take this world's steps per epoch; micro-batches left make whole steps.
+    assert plan_steps(batches_per_epoch=5, **{**three, "num_train_epochs": 5}, resumed=saved,
+                      rest=SavedRest(2, 1)).max_steps == 20 + 2 * 5
+    assert plan_steps(batches_per_epoch=5, **{**three, "gradient_accumulation_steps": 2}, resumed=saved,
+                      rest=SavedRest(2, 3)).max_steps == 19 + 2
+    # A plan that ends inside the saved epoch ends at its fraction, or where the epoch's data ends.
+    assert plan_steps(batches_per_epoch=5, **{**three, "num_train_epochs": 2.9}, resumed=saved,
+                      rest=SavedRest(2, 1)).max_steps == 20
+    assert plan_steps(batches_per_epoch=5, **{**three, "num_train_epochs": 2.8}, resumed=saved,
+                      rest=SavedRest(2, 4)).max_steps == 19 + 1
 
 
 def test_a_resumed_run_asking_for_other_epochs_replans_the_epochs_left():

@@ -223,6 +223,29 @@ def test_dropped_tails_resumed_on_another_world_size_end_with_the_epochs_asked(t
     assert sorted(i for _, _, ids in seen for i in ids) == list(range(22))
 
 
+def small_rest_across_worlds(world, out, resume):
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, num_train_epochs=3,
+                        save_strategy="steps", save_steps=19)
+    trainer = Recorder(Classifier().double(), args, classification_data(26))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer.seen, trainer.state.global_step, trainer.state.epoch
+
+
+def test_a_rest_of_an_epoch_smaller_than_a_step_is_one_step_on_another_world_size(tmp_path):
+    """26 samples, 2 ranks x 2: 7 steps an epoch, 21 for 3 epochs; checkpoint-19 leaves 6 samples of epoch 2,
+    one step of 3 ranks x 2. The run ends there, at step 20 and epoch 3.0: its epoch fraction (0.23 of 5 steps,
+    rounded up to 2) would have trained a step into a fourth epoch."""
+    out = str(tmp_path)
+    two = run_world(small_rest_across_worlds, 2, args=(out, None), deadline_s=120)
+    assert two[0][1:] == (21, 3.0)
+    three = run_world(small_rest_across_worlds, 3, args=(out, f"{out}/w2/checkpoint-19"), deadline_s=120)
+    assert [rank[1:] for rank in three] == [(20, 3.0)] * 3
+    assert {(step, epoch) for rank in three for step, epoch, _ in rank[0]} == {(20, 2)}
+    first = [i for rank in two for step, epoch, ids in rank[0] if epoch == 2 and step <= 19 for i in ids]
+    assert sorted(first + [i for rank in three for _, _, ids in rank[0] for i in ids]) == list(range(26))
+
+
 def more_epochs(world, out):
     """One epoch, then the same run resumed asking for two (its second epoch must be trained, not skipped), then
     resumed again asking for two: nothing is left, and rank 0 says so."""

@@ -242,6 +242,12 @@ def read_trainer_state(path: str) -> dict:
     return _read_json(os.path.join(path, TRAINER_STATE_FILE))
 
 
+def read_sampler_state(path: str) -> dict | None:
+    """The sampler_state.json of checkpoint `path`; None when it has none."""
+    file = os.path.join(path, SAMPLER_FILE)
+    return _read_json(file) if os.path.isfile(file) else None
+
+
 def _read_json(file: str) -> Any:
     try:
         with open(file, encoding="utf-8") as f:
@@ -296,8 +302,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     if scaler is not None and os.path.isfile(os.path.join(path, SCALER_FILE)):  # none: saved without fp16
         _load_into(scaler, os.path.join(path, SCALER_FILE), "cpu")
     trainer_state = read_trainer_state(path)
-    sampler_file = os.path.join(path, SAMPLER_FILE)
-    sampler_state = _read_json(sampler_file) if os.path.isfile(sampler_file) else None
+    sampler_state = read_sampler_state(path)
     rng_file = os.path.join(path, RNG_FILE.format(rank=rank))
     rng = None
     if os.path.isfile(rng_file):
@@ -311,5 +316,6 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "check_loadable", "checkpoint_run", "find_latest_checkpoint",
            "folder_step",
-           "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_trainer_state", "remove_stale",
+           "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "read_sampler_state", "read_trainer_state",
+           "remove_stale",
            "rng_state", "rotate_checkpoints", "save_checkpoint", "save_weights", "set_rng_state", "write_json"]

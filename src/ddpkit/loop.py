@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import model_io
+from .comm import max_over_ranks
+from .plan import SavedRest
 from .report import Progress
 from .timeline import DATA_WAIT
 from .window import Window, agree_on_window, take_batches
@@ -122,4 +124,20 @@ class TrainingLoop:
             ddp.check_replicas(f"replica check at step {step}")
 
 
-__all__ = ["TrainingLoop"]
+def saved_rest(trainer: Trainer, loader: Any, sampler_state: dict | None) -> SavedRest | None:
+    """Where a checkpoint stands in its epoch, as this run's world batches what is left of it (for the plan): the
+    run's loader, its sampler moved to the saved position (as the loop moves it). None when the checkpoint does
+    not say, or the sampler cannot resume. Call it on every rank (one collective)."""
+    t, sampler = trainer, getattr(loader, "sampler", None)
+    if sampler_state is None or not hasattr(sampler, "load_state_dict"):
+        return None
+    sampler.set_epoch(sampler_state["epoch"])
+    sampler.load_state_dict(sampler_state)
+    # A checkpoint taken after the epoch's last step resumes to an empty rest of it (TrainingLoop.epoch).
+    finished = sampler_state["consumed"] >= len(t.train_dataset)
+    left = 0 if finished else len(loader)
+    return SavedRest(int(sampler_state["epoch"]),
+                     int(max_over_ranks(t.comm, left, "batches left of the saved epoch", t.world.device)))
+
+
+__all__ = ["TrainingLoop", "saved_rest"]

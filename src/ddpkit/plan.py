@@ -39,6 +39,15 @@ class SavedPlan(NamedTuple):
                    state.get("train_batch_size", 0), asked.get("steps_per_epoch", 0))
 
 
+class SavedRest(NamedTuple):
+    """Where the checkpoint stands in its epoch, seen from the resuming run: the epoch (counted from 0) and the
+    micro-batches of it left to the fullest rank of this run's world (its sampler and loader at the saved
+    position)."""
+
+    epoch: int
+    batches: int
+
+
 def _asked(max_steps: int, num_train_epochs: float) -> tuple[int, float]:
     """The arguments a plan is made from, as compared: every max_steps <= 0 means "unset"."""
     return (max_steps if max_steps > 0 else -1, float(num_train_epochs))
@@ -62,8 +71,10 @@ def interval(value: float, total_steps: int) -> int:
 
 
 def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, world_size: int,
-                resumed: SavedPlan | None = None, train_batch_size: int = 0) -> int:
-    """max_steps when it is set (> 0), else the steps num_train_epochs take, given the run resumed from."""
+                resumed: SavedPlan | None = None, train_batch_size: int = 0, rest: SavedRest | None = None,
+                accumulation: int = 1) -> int:
+    """max_steps when it is set (> 0), else the steps num_train_epochs take, given the run resumed from (and
+    where it stands in its epoch, `rest`, for a re-plan; accumulation: micro-batches per step)."""
     if max_steps > 0:
         return max_steps
     if resumed is None:
@@ -84,7 +95,17 @@ def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, w
     # from the epochs left; the learning-rate schedule is stretched or shrunk to the new total. round(): an
     # epoch fraction saved as a float must not turn 10 steps into 11 ((1 - 1/3) * 15 is 10.000000000000002).
     left = max(0.0, num_train_epochs - _epochs_done(resumed))
-    return resumed.global_step + math.ceil(round(left * steps_per_epoch, 6))
+    by_fraction = math.ceil(round(left * steps_per_epoch, 6))
+    if rest is None:
+        return resumed.global_step + by_fraction
+    # The saved epoch's rest is counted exactly, as this world batches it: its fraction of this world's steps
+    # per epoch overcounts a rest smaller than a batch (6 samples left of 26 are one step of 3 ranks x 2, not
+    # 0.23 x 5 rounded up to 2, which would train into a fourth epoch of three).
+    this_epoch = math.ceil(rest.batches / accumulation)
+    after = num_train_epochs - (rest.epoch + 1)  # epochs after the saved one
+    if after < 0:  # the plan ends inside the saved epoch: at its fraction, or where its data ends
+        return resumed.global_step + min(this_epoch, by_fraction)
+    return resumed.global_step + this_epoch + math.ceil(round(after * steps_per_epoch, 6))
 
 
 def _planned(asked: tuple[int, float], steps_per_epoch: int) -> int:
@@ -107,14 +128,17 @@ def _epochs_done(resumed: SavedPlan) -> float:
 
 def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batch_size: int,
                gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float, logging_steps: float,
-               eval_steps: float, save_steps: float, resumed: SavedPlan | None = None) -> StepPlan:
-    """The plan of a run (see the module's docstring); resumed: the plan of the checkpoint it resumes from."""
+               eval_steps: float, save_steps: float, resumed: SavedPlan | None = None,
+               rest: SavedRest | None = None) -> StepPlan:
+    """The plan of a run (see the module's docstring); resumed: the plan of the checkpoint it resumes from, and
+    rest where that checkpoint stands in its epoch (what this world has left of it; None: not known)."""
     # An epoch's last window may hold fewer than gradient_accumulation_steps micro-batches: it is a step too.
     steps_per_epoch = math.ceil(batches_per_epoch / gradient_accumulation_steps)
     if steps_per_epoch == 0:
         raise ValueError("the training data gives no batch on any rank")
     batch = per_device_train_batch_size * world_size * gradient_accumulation_steps
-    steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed, batch)
+    steps = total_steps(steps_per_epoch, max_steps, num_train_epochs, world_size, resumed, batch, rest,
+                        gradient_accumulation_steps)
     return StepPlan(max_steps=steps, num_train_epochs=math.ceil(steps / steps_per_epoch),
                     logging_steps=interval(logging_steps, steps), eval_steps=interval(eval_steps, steps),
                     save_steps=interval(save_steps, steps), train_batch_size=batch,
@@ -122,13 +146,14 @@ def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batc
                                     "steps_per_epoch": steps_per_epoch})
 
 
-def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None) -> StepPlan:
+def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None,
+             rest: SavedRest | None = None) -> StepPlan:
     """plan_steps with the numbers of a TrainingArguments (or anything with those attributes)."""
     return plan_steps(batches_per_epoch=batches_per_epoch, world_size=world_size,
                       per_device_train_batch_size=args.per_device_train_batch_size,
                       gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
                       num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
-                      eval_steps=args.eval_steps, save_steps=args.save_steps, resumed=resumed)
+                      eval_steps=args.eval_steps, save_steps=args.save_steps, resumed=resumed, rest=rest)
 
 
 def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_steps: int, save_steps: int,
@@ -167,5 +192,5 @@ def check_train_data(dataset: Any, world_size: int) -> None:
                          "(--nproc-per-node) or use more data")
 
 
-__all__ = ["check_train_data", "due", "epochs_to_train", "SavedPlan", "StepPlan", "interval", "plan_for", "plan_steps",
-           "total_steps"]
+__all__ = ["check_train_data", "due", "epochs_to_train", "SavedPlan", "SavedRest", "StepPlan", "interval", "plan_for",
+           "plan_steps", "total_steps"]

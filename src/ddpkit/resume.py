@@ -219,5 +219,10 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return checkpoint.read_trainer_state(path)
 
 
+def read_sampler_state(path: str) -> dict[str, Any] | None:
+    """A checkpoint's sampler_state.json (where its epoch stands), read before anything is loaded; None: none."""
+    return checkpoint.read_sampler_state(path)
+
+
 __all__ = ["RunChoice", "begin_run", "choose_checkpoint", "choose_run", "claim_output_dir", "protected_checkpoints",
-           "read_trainer_state", "restore"]
+           "read_sampler_state", "read_trainer_state", "restore"]

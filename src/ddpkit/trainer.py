@@ -46,7 +46,7 @@ from .comm import Comm, barrier, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, due, epochs_to_train, plan_for
-from .loop import TrainingLoop
+from .loop import TrainingLoop, saved_rest
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
@@ -178,12 +178,13 @@ class Trainer(EvaluationMixin):
                              len(self.train_dataset), a.max_steps, a.num_train_epochs, a.learning_rate,
                              a.per_device_train_batch_size, a.gradient_accumulation_steps, a.lr_scheduler_type, a.seed)
 
-    def _plan(self, loader: DataLoader, resumed: dict | None) -> None:
+    def _plan(self, loader: DataLoader, resume_path: str | None) -> None:
         """Fill in max_steps, epochs and the logging/eval/save intervals of self.state."""
         # Ranks may hold different numbers of batches; every rank takes as many steps as the fullest one.
         batches = int(max_over_ranks(self.comm, len(loader), "batches per epoch", self.world.device))
-        saved = SavedPlan.from_state(resumed) if resumed is not None else None
-        plan = plan_for(self.args, batches, self.world.world_size, saved)
+        saved = SavedPlan.from_state(resume.read_trainer_state(resume_path)) if resume_path else None
+        rest = saved_rest(self, loader, resume.read_sampler_state(resume_path)) if resume_path else None
+        plan = plan_for(self.args, batches, self.world.world_size, saved, rest)
         for name, value in plan._asdict().items():
             setattr(self.state, name, value)
         self._epochs = epochs_to_train(plan, saved)  # the epochs the loop may start (an early-ended one counts)
@@ -215,8 +216,7 @@ class Trainer(EvaluationMixin):
         resume_path, self.saves.run = choice.path, choice.run
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         sampler = self.get_train_sampler()
-        self._plan(self.get_train_dataloader(sampler), resume.read_trainer_state(resume_path) if resume_path
-                   else None)
+        self._plan(self.get_train_dataloader(sampler), resume_path)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         sampler_state = self._resume(resume_path) if resume_path else None
