@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
 from ddpkit import integrity, runs
-from ddpkit.checkpoint import write_json
+from ddpkit.checkpoint import CheckpointError, write_json
 from ddpkit.args import ArgumentError
 from ddpkit.resume import choose_checkpoint, protected_checkpoints, read_trainer_state
 from ddpkit.trainer import Trainer
@@ -106,6 +106,17 @@ def test_a_checkpoint_renamed_by_hand_resumes_when_named(tmp_path, local_world):
     logs, params, seen = _resumable_run(str(tmp_path / "again"), resume=str(tmp_path / "best_run"), max_steps=6)
     assert min(step for step, _, _ in seen) == 4 and logs == full[0], "not resumed at step 3, or not bitwise"
     assert all(np.array_equal(a, b) for a, b in zip(params, full[1]))
+
+
+def test_a_checkpoint_that_does_not_say_where_its_data_stood_is_refused(tmp_path, local_world):
+    """A folder without sampler_state.json (a Transformers Trainer's checkpoint, or one copied in part, its marker
+    not yet there either) would restart the epoch at sample 0 at its step: refused, naming the file."""
+    _resumable_run(str(tmp_path / "full"), max_steps=3)
+    folder = tmp_path / "full" / "checkpoint-3"
+    for name in (integrity.MARKER_FILE, "sampler_state.json"):
+        os.remove(folder / name)
+    with pytest.raises(CheckpointError, match="has no sampler_state.json"):
+        _resumable_run(str(tmp_path / "again"), resume=str(folder), max_steps=6)
 
 
 def resume_same_world(world, out):

@@ -219,9 +219,18 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return checkpoint.read_trainer_state(path)
 
 
-def read_sampler_state(path: str) -> dict[str, Any] | None:
-    """A checkpoint's sampler_state.json (where its epoch stands), read before anything is loaded; None: none."""
-    return checkpoint.read_sampler_state(path)
+def read_sampler_state(path: str) -> dict[str, Any]:
+    """A checkpoint's sampler_state.json (where its epoch stands), read before anything is loaded. Without one
+    the position in the data is unknown: a CheckpointError, not a resume that trains on the wrong samples."""
+    state = checkpoint.read_sampler_state(path)
+    if state is None:
+        raise checkpoint.CheckpointError(
+            f"{path} has no {checkpoint.SAMPLER_FILE}, so where its run stood in the data is unknown and a resume "
+            "would train on the wrong samples: it was not written by ddpkit's Trainer (a Transformers Trainer's "
+            "checkpoint?) or was copied in part. Copy the whole folder; or, to start from its weights alone, load "
+            "them into the model (model.load_state_dict(safetensors.torch.load_file(...))) and train without "
+            "resume_from_checkpoint")
+    return state
 
 
 __all__ = ["RunChoice", "begin_run", "choose_checkpoint", "choose_run", "claim_output_dir", "protected_checkpoints",
