@@ -346,6 +346,22 @@ def test_a_checkpoint_saved_without_an_optimizer_says_so_when_one_is_loaded(tmp_
         ckpt.load_checkpoint(path, optimizer=torch.optim.SGD(small_model().parameters(), lr=0.1))
 
 
+def test_another_optimizers_state_is_refused_when_loaded_not_at_the_first_step(tmp_path):
+    """torch's load_state_dict takes an AdamW state into an SGD (the sizes fit): the first step then raised
+    KeyError 'momentum' inside torch. The checkpoint names what the state lacks instead."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    path = save_small(tmp_path, 1, model, opt)
+    with pytest.raises(ckpt.CheckpointError, match="another optimizer than this SGD: its param groups lack "
+                                                   "dampening, momentum"):
+        ckpt.load_checkpoint(path, optimizer=torch.optim.SGD(small_model().parameters(), lr=0.1))
+    again = torch.optim.AdamW(small_model().parameters(), foreach=False)  # flags may differ, hyperparameters fit
+    ckpt.load_checkpoint(path, optimizer=again)
+    assert again.state_dict()["state"][0]["step"] == 1
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1.6 MB file system of its own (tmpfs; needs root, as CI has)."""

@@ -261,11 +261,28 @@ def _load_into(target: Any, file: str, device: torch.device | str) -> None:
         state = _load_tensors(file, device)
     except Exception as exc:  # noqa: BLE001 - whatever the unpickler says, name the file first
         raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from exc
+    if isinstance(target, torch.optim.Optimizer):
+        _check_hyperparameters(target, state, file)
     try:
         target.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{file} does not fit this {type(target).__name__}: {exc}. Resume with the "
                               "optimizer and scheduler the checkpoint was written with") from exc
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer, state: Any, file: str) -> None:
+    """Refuse another optimizer's state: torch's load_state_dict takes any param groups of the right sizes, and
+    the first step then fails inside the optimizer (SGD's KeyError 'momentum' for an AdamW state). The saved
+    groups must hold this optimizer's hyperparameters; flags (booleans, None: foreach, fused, ...) may be
+    missing, which torch fills in for a state saved by an older version."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    needed = {key for key, value in optimizer.defaults.items() if not isinstance(value, bool) and value is not None}
+    missing = sorted(needed - set(groups[0])) if groups and isinstance(groups[0], dict) else []
+    if missing:
+        raise CheckpointError(f"{file} holds the state of another optimizer than this "
+                              f"{type(optimizer).__name__}: its param groups lack {', '.join(missing)} (they hold "
+                              f"{', '.join(sorted(set(groups[0]) - {'params'}))}). Resume with the optimizer the "
+                              "checkpoint was written with (--optim), or start without resume_from_checkpoint")
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
