@@ -190,7 +190,8 @@ class DistributedSampler(Sampler[int]):
                                  _as_int(state["consumed"], "consumed"))
         if seed != self.seed:
             raise ValueError(f"the checkpoint's sampler used seed={seed} but this sampler has seed={self.seed}; "
-                             f"the epoch's order would differ. Construct the sampler with seed={seed}")
+                             f"the epoch's order would differ. Construct the sampler with seed={seed} (ddpkit's "
+                             f"Trainer seeds it with --data_seed, or --seed where that is unset: pass {seed})")
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, the checkpoint says {consumed}")
         self.epoch, self.consumed = epoch, consumed
