@@ -59,7 +59,7 @@ def _check(dataset_len: int, num_replicas: int, rank: int, drop_last: bool, cons
                          f"has ranks 0..{num_replicas - 1}")
     if dataset_len < 0:
         raise ValueError(f"dataset length must be >= 0, got {dataset_len}")
-    if drop_last and dataset_len < num_replicas:
+    if drop_last and 0 < dataset_len < num_replicas:  # an empty data set gives every replica nothing, as torch
         raise ValueError(
             f"with drop_last=True a data set of {dataset_len} samples split over {num_replicas} replicas gives "
             f"every replica an empty shard; pass drop_last=False (short shards are padded by repeating samples), "
