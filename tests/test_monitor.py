@@ -208,6 +208,47 @@ def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
             "#2 all_reduce (waiting for rank 1)") in out0, (out0, err0)
 
 
+FROZEN_STORE_HOST = textwrap.dedent("""
+    import os, signal, time, torch, ddpkit
+    world = ddpkit.init_process_group(backend="gloo", timeout=4, stall_seconds=60)
+    ddpkit.Comm.for_group().all_reduce(torch.ones(1), "hello")
+    if world.rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, with the store it hosts: a hung node, a network split
+    start = time.monotonic()
+    try:
+        ddpkit.Comm.for_group().all_reduce(torch.ones(1), "waiting for rank 0")
+    except ddpkit.StallError as exc:
+        print(f"raised after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+        raise SystemExit(3)
+""")
+
+
+def test_a_frozen_store_host_ends_the_others_with_the_timeout_error(tmp_path):
+    """Rank 0 stops (SIGSTOP) with the TCPStore it hosts: a store call never returns (TCPStore's timeout bounds only
+    waits for keys), and the other rank, explaining its timed-out collective, blocked in one for ever. Now every
+    store call made while reporting, and at exit, gives up after a few seconds."""
+    from ddpkit.env import free_port
+
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN_STORE_HOST)
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out1, err1 = procs[1].communicate(timeout=90)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert procs[1].returncode == 3, (out1, err1)
+    waited = float(out1.split("raised after ")[1].split(" s")[0])
+    assert waited < 4 + 15, out1
+    assert "waited in collective #2 all_reduce (waiting for rank 0)" in out1, out1
+    assert "the job's store did not answer within 5 s either" in out1, out1
+
+
 HANDLED_PEER_FAILURE = textwrap.dedent("""
     import time
     import torch.distributed as dist

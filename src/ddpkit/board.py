@@ -16,9 +16,38 @@ other's posts. Counters ("left", "failures") let a poll see that nothing was pos
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+
+class StoreSilent(RuntimeError):
+    """The job's store did not answer in time: its host (rank 0's process) may be frozen or unreachable."""
+
+
+def answered_within(seconds: float, call: Callable[..., Any], *args: Any) -> Any:
+    """call(*args), given at most `seconds` (StoreSilent after), for store calls made from the main thread while
+    it reports a failure. A store whose host is frozen (SIGSTOP, swapping, a network split) accepts the
+    connection and never answers, and TCPStore's timeout bounds only waits for keys: the call would block for
+    ever, and with it the report and the exit. It runs on a daemon thread, left behind when it does not end."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="ddpkit-store-call", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise StoreSilent(f"the job's store did not answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 class Board:

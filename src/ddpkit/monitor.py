@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import diagnosis
-from .board import Board
+from .board import Board, StoreSilent, answered_within
 from .diagnosis import default_threshold, indent
 from .errors import (DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError, carrying,
                      raise_in_thread, record_unraised)
@@ -58,6 +58,8 @@ PEER_FAILURE_GRACE_S = 5.0
 # store call the thread makes is short (a round trip), and it makes none once stopped; this bound only keeps a
 # store that stopped answering from holding up the exit for ever.
 STOP_JOIN_S = 10.0
+# How long a store call made while reporting a failure (or at exit) may take: a frozen store host never answers.
+STORE_ANSWER_S = 5.0
 # How many of its latest collectives a rank publishes: enough to see where two ranks' sequences part.
 ISSUED_KEPT = 16
 
@@ -172,13 +174,13 @@ class StallMonitor:
         self._closed = True
         atexit.unregister(self._at_exit)
         self.stop()
-        if not self._failed:
+        if not self._failed and not self._thread.is_alive():  # alive: stuck in a store call, which will not answer
             last = self.issued_recent[-1] if self.issued_recent else None
             marker = {"rank": self.rank, "how": how, "seq": last.seq if last else 0,
                       "what": f"{last.op} ({last.what})" if last else ""}
             try:
-                self.board.post_left(marker)
-            except Exception:  # noqa: BLE001 - the store left with rank 0: nobody is left to tell
+                answered_within(STORE_ANSWER_S, self.board.post_left, marker)
+            except Exception:  # noqa: BLE001 - the store left (or froze) with its host: nobody is left to tell
                 pass
 
     def _at_exit(self) -> None:
@@ -190,14 +192,12 @@ class StallMonitor:
         if not isinstance(error, (RuntimeError, dist.DistError)) or isinstance(error, (StallError, PeerFailedError,
                                                                                          PeerLeftError)):
             return None
+        silent = None
         try:
-            report = self.deadlock or self.board.deadlock()
-            failed = None if report else self.board.failed_peer()
-            left = {} if report or failed else self.board.left_peers()
-            gone = None if report or left or failed else diagnosis.vanished(self.board.states(), self.rank,
-                                                                            diagnosis.process_space())
-        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            report, failed, left, gone = answered_within(STORE_ANSWER_S, self._what_went_wrong)
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with the failed peer, or frozen with it
             report, failed, left, gone = self.deadlock, None, {}, None
+            silent = exc if isinstance(exc, StoreSilent) else None
         if report:
             return DeadlockError(f"{report}\n(the collective failed with: {error})")
         where = (record.seq, record.op, record.what)
@@ -214,10 +214,24 @@ class StallMonitor:
         if waited < self.threshold_s and "timed out" not in str(error).lower():
             return None  # not a stall: a bad argument, or a peer that failed fast
         try:
-            explanation = self.diagnosis_of(record.seq) or self.explain()
-        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            if silent is not None:
+                raise silent
+            explanation = self.diagnosis_of(record.seq) or answered_within(STORE_ANSWER_S, self.explain)
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with the failed peer
             explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
+            if isinstance(exc, StoreSilent):
+                explanation += (f"; {exc} either: the process that hosts it (rank 0's, or the launcher's) may be "
+                                "frozen (stopped, swapping) or its host unreachable")
         return StallError(f"{explanation}\n(the collective failed with: {error})")
+
+    def _what_went_wrong(self) -> tuple:
+        """From the board: (deadlock report, failed peer, peers that left, vanished peers' text)."""
+        report = self.deadlock or self.board.deadlock()
+        failed = None if report else self.board.failed_peer()
+        left = {} if report or failed else self.board.left_peers()
+        gone = None if report or left or failed else diagnosis.vanished(self.board.states(), self.rank,
+                                                                        diagnosis.process_space())
+        return report, failed, left, gone
 
     def diagnosis_of(self, seq: int) -> str | None:
         """The explanation printed for collective `seq`, if its stall was explained."""
@@ -347,7 +361,7 @@ class StallMonitor:
         if not issubclass(kind, (KeyboardInterrupt, PeerFailedError)):
             text = "".join(traceback.format_exception(kind, value, tb))
             try:
-                self.board.post_failure(text)
+                answered_within(STORE_ANSWER_S, self.board.post_failure, text)
             except Exception:  # noqa: BLE001 - reporting must never mask the original error
                 pass
         self._previous_excepthook(kind, value, tb)
