@@ -74,6 +74,14 @@ class Comm(Observed):
             comm = cls._shared[id(pg)] = cls(group)
         return comm
 
+    @classmethod
+    def forget_groups(cls) -> None:
+        """After destroy_process_group: hold no destroyed group, which interpreter exit would tear down, where
+        gloo's threads abort a finished job (SIGABRT) in most runs. A subgroup's Comm keeps its group object."""
+        for comm in cls._shared.values():
+            comm.pg = None
+        cls._shared.clear()
+
     @property
     def distributed(self) -> bool:
         return self.active and self.world_size > 1
@@ -325,6 +333,7 @@ def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         Comm.for_group(None).close_observers()
     env.destroy_process_group()
+    Comm.forget_groups()
 
 
 def barrier(world: DistEnv | None = None, what: str = "barrier") -> None:
@@ -334,10 +343,8 @@ def barrier(world: DistEnv | None = None, what: str = "barrier") -> None:
 
 @contextlib.contextmanager
 def main_process_first(world: DistEnv, local: bool = False) -> Iterator[None]:
-    """Run the body on the main process first (downloads, caches), then on the others.
-
-    local=True: the first process of each node goes first instead of global rank 0.
-    """
+    """Run the body on the main process first (downloads, caches), then on the others; local=True: the first
+    process of each node goes first instead of global rank 0."""
     first = world.is_local_main if local else world.is_main
     if not first:
         barrier(world)
@@ -355,10 +362,8 @@ def main_process_first(world: DistEnv, local: bool = False) -> Iterator[None]:
 
 def sum_over_ranks(comm: Comm, values: torch.Tensor | Sequence[float], what: str,
                    device: torch.device | None = None) -> list[float]:
-    """The element-wise sum over the ranks of `values` (a tensor, left untouched, or numbers), as floats.
-
-    device: where the numbers are summed (NCCL needs a CUDA tensor); a tensor's own device by default.
-    """
+    """The element-wise sum over the ranks of `values` (a tensor, left untouched, or numbers), as floats; device:
+    where the numbers are summed (NCCL needs a CUDA tensor), a tensor's own device by default."""
     if isinstance(values, torch.Tensor):
         total = values.detach().to(torch.float64).reshape(-1).clone()
     else:
