@@ -114,11 +114,13 @@ def test_a_redrawn_line_stays_at_the_bottom_and_other_lines_print_above_it():
     console.feed(1, "hello from rank 1\n")
     console.feed(0, "\rtrain 2/3")
     console.feed(1, "[rank1]: Traceback (torch's excepthook prefixes its lines)\n")
+    console.feed(1, '[rank1]:   File "x.py", line 6\n[rank1]:     raise ValueError\n')  # indents kept
     console.feed(0, "\rtrain 3/3 " + "x" * 50)  # longer than the row: cut, never wrapped
     console.feed(0, "\rtrain 3/3\n")
     console.close()
     assert screen(out.getvalue()) == ["[rank0]: starting", "[rank1]: hello from rank 1",
                                       "[rank1]: Traceback (torch's excepthook prefixes its lines)",
+                                      '[rank1]:   File "x.py", line 6', "[rank1]:     raise ValueError",
                                       "[rank0]: train 3/3"]
 
 

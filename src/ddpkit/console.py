@@ -84,7 +84,8 @@ class Console:
         prefix = PREFIX.format(rank=rank)
         # torch's excepthook (and a nested launcher) prefix the rank themselves: keep one.
         while text.startswith(prefix.rstrip()):
-            text = text[len(prefix.rstrip()):].lstrip(" ")
+            text = text[len(prefix.rstrip()):]
+            text = text[1:] if text.startswith(" ") else text  # the one space after that prefix, not the indent
         return prefix + text
 
     def _print_line(self, rank: int, text: str) -> None:
