@@ -61,6 +61,26 @@ def test_a_recycled_pid_an_empty_file_and_another_host(tmp_path):
         pass
 
 
+def test_another_pid_namespace_is_not_judged_and_an_earlier_boot_is_gone(tmp_path):
+    """A container with this host name (host networking) records its own pid 1: on the host, pid 1 is another
+    process, and the lock was taken from a live run (launch review). Written before the last boot: stale."""
+    mine = OutputDirLock(str(tmp_path)).me
+    if mine["pid_ns"] is None or mine["boot"] is None:
+        pytest.skip("no /proc here to read the PID namespace and the boot id")
+    owner = {**mine, "pid": 1, "start_time": "1", "pid_ns": "pid:[1]", "since": "now"}
+    _write_owner(tmp_path, **owner)
+    with pytest.raises(OutputDirBusy, match=r"pid 1 on .*, in another PID namespace \(a container\)\): if that run "
+                                            "is gone, delete"):
+        OutputDirLock(str(tmp_path)).acquire()
+    _write_owner(tmp_path, **{**owner, "boot": "an-earlier-boot"})
+    with OutputDirLock(str(tmp_path)):
+        pass
+    # Still being written (empty, young): not "pid None on None".
+    (tmp_path / LOCK_FILE).write_text("")
+    with pytest.raises(OutputDirBusy, match="being claimed by another run"):
+        OutputDirLock(str(tmp_path)).acquire()
+
+
 def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
     out = tmp_path / "run"
     # A long first run, stopped with SIGTERM once the second one has been turned away.

@@ -7,10 +7,11 @@
 
 Two runs writing into one folder corrupt each other: one's cleanup deletes the other's half-written checkpoint,
 metrics.jsonl interleaves. The lock is ``output_dir/.ddpkit.lock``, created with O_EXCL (atomic on local and
-network file systems), holding the owner's host, pid and process start time. A lock whose owner is on this host
-and no longer runs (its pid is gone, or now belongs to a process started at another time) is stale: it is moved
-aside with a rename, which only one contender can win, and taken over. A lock from another host cannot be checked
-from here; the error says how to remove it once that run is known to be gone.
+network file systems), holding the owner's host, pid, process start time, PID namespace and boot id. A lock whose
+owner is on this host and no longer runs (its pid is gone, or now belongs to a process started at another time, or
+the machine booted since) is stale: it is moved aside with a rename, which only one contender can win, and taken
+over. A lock from another host, or from another PID namespace of this one (a container), cannot be checked from
+here; the error says how to remove it once that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ LOCK_FILE = ".ddpkit.lock"
 
 class OutputDirBusy(RuntimeError):
     """Another run holds the output_dir's lock."""
+
+
+def _kernel_ids() -> dict[str, str | None]:
+    """This process's PID namespace and the machine's boot: a pid means something only within one namespace (a
+    container's pid 1 is not the host's), and no process of an earlier boot runs any more."""
+    ids: dict[str, str | None] = {"pid_ns": None, "boot": None}
+    try:
+        ids["pid_ns"] = os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            ids["boot"] = f.read().strip()
+    except OSError:
+        pass  # no /proc (not Linux): pids are judged as before
+    return ids
 
 
 def _start_time(pid: int) -> str | None:
@@ -48,7 +62,8 @@ class OutputDirLock:
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, LOCK_FILE)
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid())}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid()),
+                   **_kernel_ids()}
         self.held = False
 
     def acquire(self) -> None:
@@ -113,6 +128,10 @@ class OutputDirLock:
                 return True
         if owner.get("host") != self.me["host"]:
             return False  # another machine's process: not ours to judge
+        if None not in (owner.get("boot"), self.me["boot"]) and owner["boot"] != self.me["boot"]:
+            return True  # written before this machine last booted: that process is gone
+        if owner.get("pid_ns", self.me["pid_ns"]) != self.me["pid_ns"]:
+            return False  # another PID namespace (a container with this host name): its pid means nothing here
         now = _start_time(int(owner.get("pid", -1)))
         return now is None or (now != "unknown" and now != owner.get("start_time"))
 
@@ -125,8 +144,15 @@ class OutputDirLock:
         os.remove(aside)
 
     def _busy_message(self, owner: dict) -> str:
+        if not owner:
+            return (f"{os.path.dirname(self.path)} is being claimed by another run (its lock file {self.path} is "
+                    "still empty; one a killed run left is taken over once 10 s old): try again, or give this run "
+                    "another --output_dir")
         where = f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('since', '?')}"
-        fix = ("stop it, or give this run another --output_dir" if owner.get("host") == self.me["host"] else
+        here = owner.get("host") == self.me["host"] and owner.get("pid_ns", self.me["pid_ns"]) == self.me["pid_ns"]
+        if owner.get("host") == self.me["host"] and not here:
+            where += ", in another PID namespace (a container)"
+        fix = ("stop it, or give this run another --output_dir" if here else
                f"if that run is gone, delete {self.path}; otherwise give this run another --output_dir")
         return f"{os.path.dirname(self.path)} is in use by another run ({where}): {fix}"
 
