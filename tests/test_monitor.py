@@ -170,6 +170,19 @@ CRASHING_IN_A_COLLECTIVE = CRASHING_SCRIPT.replace(
 assert CRASHING_IN_A_COLLECTIVE != CRASHING_SCRIPT
 
 
+# The same failure, reported past our excepthook: in a `finally:` that destroys the group (torch's docs' pattern),
+# and under an excepthook of the script's own (rich.traceback.install() replaces it so).
+FAILING_IN_FINALLY = CRASHING_IN_A_COLLECTIVE.replace(
+    '    raise ValueError("rank one blew up in its step")\n',
+    '    try:\n        raise ValueError("rank one blew up in its step")\n'
+    '    finally:\n        ddpkit.destroy_process_group()\n')
+FAILING_UNDER_OWN_HOOK = CRASHING_IN_A_COLLECTIVE.replace(
+    '    raise ValueError("rank one blew up in its step")\n',
+    '    import sys\n    sys.excepthook = lambda *exc: print("the script\'s own hook", file=sys.stderr)\n'
+    '    raise ValueError("rank one blew up in its step")\n')
+assert FAILING_IN_FINALLY != CRASHING_IN_A_COLLECTIVE != FAILING_UNDER_OWN_HOOK
+
+
 def _two_ranks(script_text, tmp_path):
     """Run a script as ranks 0 and 1 of a gloo job; their return codes and (stdout, stderr)."""
     from ddpkit.env import free_port
@@ -206,6 +219,10 @@ def test_a_crashed_rank_stops_the_others_quickly(tmp_path):
     assert codes[0] == 3, (out0, err0)
     assert ("rank 1 failed with ValueError: rank one blew up in its step, so rank 0 stops. Rank 0 was in collective "
             "#2 all_reduce (waiting for rank 1)") in out0, (out0, err0)
+    # Not "rank 1 left the job early (it called destroy_process_group)" nor "(its process exited without an error)"
+    for script in (FAILING_IN_FINALLY, FAILING_UNDER_OWN_HOOK):
+        codes, ((out0, err0), _) = _two_ranks(script, tmp_path)
+        assert codes[0] == 3 and "rank 1 failed with ValueError: rank one blew up" in out0, (out0, err0)
 
 
 FROZEN_STORE_HOST = textwrap.dedent("""
@@ -381,8 +398,8 @@ def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(misbehaved)
     print(f"rank 1 left -> launcher exited: {result.ended - left:.2f} s")
     assert result.rc == 1, result.err
     summary = result.err[result.err.index("ddpkit launch: the job failed"):]
-    assert "PeerLeftError: rank 1 left the job early (its process exited without an error) after collective #" \
-        in summary, summary
+    assert ("PeerLeftError: rank 1 left the job early (its process exited without raising: the end of its script, "
+            "or sys.exit) after collective #") in summary, summary
     assert "the root cause" in summary and "Connection reset" not in summary.split("PeerLeftError")[1][:300]
     assert "backward 3" in summary, summary  # rank 0 waited in the bucket of the step rank 1 never took
     assert result.ended - left < 30, result.ended - left

@@ -173,6 +173,8 @@ class StallMonitor:
             return
         self._closed = True
         atexit.unregister(self._at_exit)
+        # Closed in a `finally:` (destroy_process_group) while an exception goes up: this rank failed, not left.
+        self._post_failure(sys.exc_info()[1])
         self.stop()
         if not self._failed and not self._thread.is_alive():  # alive: stuck in a store call, which will not answer
             last = self.issued_recent[-1] if self.issued_recent else None
@@ -184,7 +186,10 @@ class StallMonitor:
                 pass
 
     def _at_exit(self) -> None:
-        self.close("its process exited without an error")
+        # An uncaught exception another excepthook (rich's, the user's) took instead of ours: the interpreter
+        # keeps it in sys.last_value, whichever hook printed it.
+        self._post_failure(getattr(sys, "last_value", None))
+        self.close("its process exited without raising: the end of its script, or sys.exit")
 
     def _explain_failure(self, record: Any, error: BaseException, waited: float) -> BaseException | None:
         """What to raise instead of a failed wait: the deadlock report, the rank that left, or the stall's
@@ -357,14 +362,21 @@ class StallMonitor:
 
     # -- failures ------------------------------------------------------------------------------------------------
     def _excepthook(self, kind, value, tb) -> None:
-        self._failed = True
-        if not issubclass(kind, (KeyboardInterrupt, PeerFailedError)):
-            text = "".join(traceback.format_exception(kind, value, tb))
-            try:
-                answered_within(STORE_ANSWER_S, self.board.post_failure, text)
-            except Exception:  # noqa: BLE001 - reporting must never mask the original error
-                pass
+        self._post_failure(value)
+        self._failed = True  # a KeyboardInterrupt too: not posted, but this rank did not just leave
         self._previous_excepthook(kind, value, tb)
+
+    def _post_failure(self, error: BaseException | None) -> None:
+        """Tell the other ranks that this one fails with `error` (its traceback), once; not a Ctrl-C, an exit, or
+        a peer's failure this rank only passes on."""
+        if self._failed or error is None or isinstance(error, (KeyboardInterrupt, SystemExit, PeerFailedError)):
+            return
+        self._failed = True
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        try:
+            answered_within(STORE_ANSWER_S, self.board.post_failure, text)
+        except Exception:  # noqa: BLE001 - reporting must never mask the original error
+            pass
 
     def _on_peer_failure(self, rank: int, text: str) -> None:
         message = f"rank {rank} failed, so rank {self.rank} stops. Rank {rank}'s error:\n{indent(text)}"
