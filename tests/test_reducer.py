@@ -220,7 +220,7 @@ def reductions(world):
     gloo.pairwise = False
     torch.manual_seed(0)
     ref = _Gated()
-    copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_pairwise", "rs_gloo", "bf16")}
+    copies = {k: copy.deepcopy(ref) for k in ("allreduce", "sum", "rs_pairwise", "rs_gloo", "bf16", "caps")}
     copies["bf16"].to(torch.bfloat16)  # its usage flags ride in a bfloat16 bucket: sums of 0 and 1 stay exact
     seen: dict[str, list] = {"rs_pairwise": [], "rs_gloo": []}
     kept: dict[str, dict] = {"rs_pairwise": {}, "rs_gloo": {}}  # the latest shard of each bucket, as handed over
@@ -234,6 +234,10 @@ def reductions(world):
         return Reducer([p for _, p in named], [m for m, _ in named], comm, bucket_cap_mb=0.0001, **kwargs)
 
     reducers = {"allreduce": reducer("allreduce"), "sum": reducer("sum", divisor=1.0), "bf16": reducer("bf16")}
+    # Another bucket_cap_mb on the other ranks: rank 0's buckets, as torch's DDP takes them (gloo aborted before).
+    named = list(copies["caps"].named_parameters())
+    reducers["caps"] = Reducer([p for _, p in named], [m for m, _ in named], comm,
+                               bucket_cap_mb=0.0001 if r == 0 else 25.0)
     for key, via in (("rs_pairwise", comm), ("rs_gloo", gloo)):
         reducers[key] = reducer(key, reduction=ReduceScatter(via, on_shard=functools.partial(on_shard, key)))
     out = {"errors": []}
@@ -246,6 +250,9 @@ def reductions(world):
             model(mine.to(torch.bfloat16) if key == "bf16" else mine, r, step).sum().backward()
         (sum(ref(x[2 * k:2 * k + 2], k, step).sum() for k in range(n)) / n).backward()
         out["errors"] += _grads_against_one_process(ref, copies, n)
+        out["errors"] += [(f"caps {name}", (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad))
+                          for (name, p), q in zip(copies["caps"].named_parameters(),
+                                                  copies["allreduce"].parameters())]
         averaged = {i: p.grad for i, p in enumerate(copies["allreduce"].parameters())}
         for key in ("rs_pairwise", "rs_gloo"):
             out["errors"] += _shards_against_the_average(key, reducers[key], kept[key], averaged, r, n)

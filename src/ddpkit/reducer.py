@@ -353,10 +353,11 @@ class Reducer:
     def _build_buckets(self, window: Window) -> None:
         """End of the learning window: buckets in rank 0's ready order, accumulation counts from this rank."""
         order = ready_order(window.fired_order, len(self.params))
-        if self.comm.distributed:
-            shared = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)  # NCCL needs it there
+        if self.comm.distributed:  # with rank 0's bucket caps: a rank given another bucket_cap_mb still matches
+            shared = torch.tensor([*order, self.cap_bytes, self.first_cap_bytes], dtype=torch.int64,
+                                  device=self.params[0].device)  # NCCL needs it there
             self.comm.broadcast(shared, src=0, what="bucket order")
-            order = shared.tolist()
+            *order, self.cap_bytes, self.first_cap_bytes = shared.tolist()
         self.rebuilt_order = order
         self.expected = [max(count, 1) for count in window.fires]
         plan = plan_buckets(self.specs, order, self.cap_bytes, self.first_cap_bytes)
