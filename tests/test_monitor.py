@@ -183,6 +183,19 @@ FAILING_UNDER_OWN_HOOK = CRASHING_IN_A_COLLECTIVE.replace(
 assert FAILING_IN_FINALLY != CRASHING_IN_A_COLLECTIVE != FAILING_UNDER_OWN_HOOK
 
 
+STORE_HOST_LEAVES = textwrap.dedent("""
+    import torch, ddpkit
+    world = ddpkit.init_process_group(backend="gloo", timeout=60, stall_seconds=30)
+    ddpkit.Comm.for_group().all_reduce(torch.ones(1), "hello")
+    if world.rank == 1:  # rank 0 is done and exits, with the store it hosts; rank 1 takes one more step
+        try:
+            ddpkit.Comm.for_group().all_reduce(torch.ones(1), "a step rank 0 never takes")
+        except (ddpkit.PeerLeftError, ddpkit.PeerVanishedError) as exc:
+            print(f"{type(exc).__name__}: {exc}", flush=True)
+            raise SystemExit(3)
+""")
+
+
 def _two_ranks(script_text, tmp_path):
     """Run a script as ranks 0 and 1 of a gloo job; their return codes and (stdout, stderr)."""
     from ddpkit.env import free_port
@@ -264,6 +277,15 @@ def test_a_frozen_store_host_ends_the_others_with_the_timeout_error(tmp_path):
     assert waited < 4 + 15, out1
     assert "waited in collective #2 all_reduce (waiting for rank 0)" in out1, out1
     assert "the job's store did not answer within 5 s either" in out1, out1
+
+
+def test_a_store_host_that_left_is_named_not_a_bare_connection_error(tmp_path):
+    """Rank 0 leaves; what it posts lives in the store it hosts, which goes with it: rank 1 got gloo's bare
+    'Connection closed by peer' (hang review). Now the error says the store's host ended."""
+    codes, (_, (out1, err1)) = _two_ranks(STORE_HOST_LEAVES, tmp_path)
+    assert codes[1] == 3, (out1, err1)
+    assert ("PeerVanishedError: the job's store no longer answers" in out1 and "rank 0's (or the launcher's), has "
+            "most likely ended" in out1) or "PeerLeftError: rank 0 left the job early" in out1, out1
 
 
 HANDLED_PEER_FAILURE = textwrap.dedent("""

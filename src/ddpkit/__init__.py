@@ -7,7 +7,7 @@
 
 from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
 from .ddp import DistributedDataParallel, ReplicaDivergenceError
-from .errors import PeerFailedError, StallError
+from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError
 from .join import Join
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
@@ -58,5 +58,8 @@ __all__ = [
     "StallError",
     "ReplicaDivergenceError",
     "PeerFailedError",
+    "PeerLeftError",
+    "PeerVanishedError",
+    "DeadlockError",
     "ZeroRedundancyOptimizer",
 ]

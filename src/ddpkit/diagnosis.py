@@ -164,6 +164,20 @@ def waited_in(me: int, waiting: Any) -> str:
     return f"Rank {me} was in collective #{waiting[0]} {waiting[1]} ({waiting[2]})"
 
 
+def store_lost(error: BaseException, waits: str) -> str:
+    """Why a collective failed when the job's store no longer answers either (its connection refused or closed):
+    its host, rank 0's process (or the launcher), has most likely ended; `waits`: waited_in's."""
+    return (f"the job's store no longer answers ({type(error).__name__}: {str(error).strip()[:200]}): the process "
+            "that hosts it, rank 0's (or the launcher's), has most likely ended, which broke the collective too; "
+            f"that rank's own output says why. {waits}")
+
+
+def store_silent(error: BaseException) -> str:
+    """What a StallError adds when the store did not answer in time either (board.StoreSilent)."""
+    return (f"; {error} either: the process that hosts it (rank 0's, or the launcher's) may be frozen (stopped, "
+            "swapping) or its host unreachable")
+
+
 def peer_failed(rank: int, text: str, me: int, waiting: Any = None) -> str:
     """What rank `me` raises when rank `rank` died of an exception (its posted traceback, `text`): that
     exception's last line (the launcher shows the whole traceback as the root cause), and the collective `me`

@@ -197,12 +197,11 @@ class StallMonitor:
         if not isinstance(error, (RuntimeError, dist.DistError)) or isinstance(error, (StallError, PeerFailedError,
                                                                                          PeerLeftError)):
             return None
-        silent = None
+        lost = None  # the store's error: gone with the failed peer that hosted it, or frozen with it
         try:
             report, failed, left, gone = answered_within(STORE_ANSWER_S, self._what_went_wrong)
-        except Exception as exc:  # noqa: BLE001 - the store may be gone with the failed peer, or frozen with it
-            report, failed, left, gone = self.deadlock, None, {}, None
-            silent = exc if isinstance(exc, StoreSilent) else None
+        except Exception as exc:  # noqa: BLE001
+            report, failed, left, gone, lost = self.deadlock, None, {}, None, exc
         if report:
             return DeadlockError(f"{report}\n(the collective failed with: {error})")
         where = (record.seq, record.op, record.what)
@@ -216,17 +215,17 @@ class StallMonitor:
             found = "; ".join(f"{diagnosis.left_early(m)}: the root cause" for m in early) if left else gone
             return (PeerLeftError if left else PeerVanishedError)(f"{found}. {waits}.\n(the collective failed "
                                                                   f"with: {error})")
+        if lost is not None and not isinstance(lost, StoreSilent):
+            return PeerVanishedError(f"{diagnosis.store_lost(lost, waits)}\n(the collective failed with: {error})")
         if waited < self.threshold_s and "timed out" not in str(error).lower():
             return None  # not a stall: a bad argument, or a peer that failed fast
         try:
-            if silent is not None:
-                raise silent
+            if lost is not None:
+                raise lost
             explanation = self.diagnosis_of(record.seq) or answered_within(STORE_ANSWER_S, self.explain)
         except Exception as exc:  # noqa: BLE001 - the store may be gone with the failed peer
             explanation = f"rank {self.rank} waited in collective #{record.seq} {record.op} ({record.what})"
-            if isinstance(exc, StoreSilent):
-                explanation += (f"; {exc} either: the process that hosts it (rank 0's, or the launcher's) may be "
-                                "frozen (stopped, swapping) or its host unreachable")
+            explanation += diagnosis.store_silent(exc) if isinstance(exc, StoreSilent) else ""
         return StallError(f"{explanation}\n(the collective failed with: {error})")
 
     def _what_went_wrong(self) -> tuple:
