@@ -38,6 +38,10 @@ def test_slurm_variables():
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 4)
     assert info.master_addr == "gpu03" and info.master_port == 15000 + 1234
     assert info.launcher == "slurm" and not info.agent_store
+    # srun typed on a login node: the first node of the allocation runs task 0 and hosts the store, not that node
+    login = read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[03-04]",
+                             "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.99"})
+    assert login.master_addr == "gpu03"
 
 
 def test_mpi_variables():
@@ -53,15 +57,18 @@ def test_no_launcher_is_a_world_of_one():
 
 
 def test_accelerate_without_multi_gpu_warns_loudly():
-    with pytest.warns(RuntimeWarning, match="only ONE training process"):
+    with pytest.warns(RuntimeWarning, match="only ONE training process") as warned:
         info = read_launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     assert info.world_size == 1
+    assert warned[0].filename == __file__  # the user's line, also through init_process_group (was comm.py's)
 
 
 @pytest.mark.parametrize("environ, message", [
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside the world"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world size must be >= 1"),
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK is set but empty"),
+    ({"RANK": "0", "WORLD_SIZE": " "}, "WORLD_SIZE is set but empty"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "local rank 3"),
 ])
 def test_bad_environment_is_named(environ, message):
@@ -76,6 +83,10 @@ def test_backends():
     assert "gloo" in ddpkit.available_backends()
     with pytest.raises(ValueError, match="unknown backend 'glue'.*available on this machine: gloo"):
         check_backend("glue")
+    for name in ("GLOO", "cpu:gloo", "cpu:gloo,cuda:nccl"):  # as torch takes them (cuda:nccl: for GPU machines)
+        check_backend(name)
+    with pytest.raises(ValueError, match="unknown backend 'cpu:glue'"):
+        check_backend("cpu:glue")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="nccl.*needs CUDA.*available on this machine"):
             check_backend("nccl")

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import ERROR_FILE_VAR, install_worker_excepthook, message_record, write_error_file
+from .errors import ERROR_FILE_VAR, callers_level, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
 from .orphan import watch_parent
 from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
@@ -130,6 +130,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, ddpkit launch, accelerate launch, torch.multiprocessing
+        for name in ("RANK", "WORLD_SIZE"):
+            if not env[name].strip():
+                raise LaunchError(f"environment variable {name} is set but empty: set it to an integer, or unset "
+                                  "RANK and WORLD_SIZE both for a single process")
         world = _int(env, "WORLD_SIZE")
         return LaunchInfo(
             rank=_int(env, "RANK"),
@@ -149,7 +153,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
         if addr is None:
-            addr = env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
+            # The first node of the allocation, which runs task 0 (as Lightning's SLURM environment takes it), not
+            # where srun was typed (SLURM_LAUNCH_NODE_IPADDR: a login node, perhaps, that runs no task).
+            nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            addr = _first_slurm_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
         if port is None:  # the same on every task of a job, different between jobs sharing a node
             port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
         return LaunchInfo(
@@ -181,7 +188,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             "`torchrun --nproc_per_node=N train.py` or `accelerate launch --multi_gpu --num_processes N train.py`. "
             "Continuing as a single process.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=callers_level(),
         )
     return LaunchInfo()
 
@@ -221,8 +228,9 @@ def available_backends() -> list[str]:
         found.append("mpi")
     if getattr(dist, "is_ucc_available", lambda: False)():
         found.append("ucc")
-    for name, module in (("hccl", "npu"), ("cncl", "mlu")):  # registered by vendor plug-ins (torch_npu, torch_mlu)
-        if hasattr(torch, module) and name in getattr(dist.Backend, "backend_list", []):
+    # Registered by vendor plug-ins: hccl by torch_npu (Ascend) and Habana's (Gaudi, torch.hpu), cncl by torch_mlu.
+    for name, modules in (("hccl", ("npu", "hpu")), ("cncl", ("mlu",))):
+        if any(hasattr(torch, m) for m in modules) and name in getattr(dist.Backend, "backend_list", []):
             found.append(name)
     return found
 
@@ -246,15 +254,20 @@ def backend_for_device(device_type: str) -> str:
 
 
 def check_backend(backend: str) -> None:
-    """Fail at once, naming what is available, when `backend` cannot run here."""
+    """Fail at once, naming what is available, when `backend` cannot run here. Names as torch takes them: in any
+    case ("GLOO"), or one per device ("cpu:gloo,cuda:nccl")."""
     available = available_backends()
-    if backend not in KNOWN_BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(KNOWN_BACKENDS)} "
-                         f"(available on this machine: {', '.join(available) or 'none'})")
-    if backend not in available:
-        why = " (nccl needs CUDA GPUs, and none is visible)" if backend == "nccl" else ""
-        raise ValueError(f"backend {backend!r} is not available here{why}; "
-                         f"available on this machine: {', '.join(available) or 'none'}")
+    for device, _, name in (part.strip().lower().rpartition(":") for part in backend.split(",")):
+        if device and device != "cpu" and not getattr(getattr(torch, device, None), "is_available", bool)():
+            continue  # "cuda:nccl" for the GPUs of another machine the same script runs on: unused here
+        if name not in KNOWN_BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(KNOWN_BACKENDS)}, or one per "
+                             f"device as 'cpu:gloo,cuda:nccl' (available on this machine: "
+                             f"{', '.join(available) or 'none'})")
+        if name not in available:
+            why = " (nccl needs CUDA GPUs, and none is visible)" if name == "nccl" else ""
+            raise ValueError(f"backend {name!r} is not available here{why}; "
+                             f"available on this machine: {', '.join(available) or 'none'}")
 
 
 def to_timeout(timeout: float | int | datetime.timedelta | None) -> datetime.timedelta:
@@ -329,6 +342,7 @@ def init_process_group(
                        timeout, info.launcher, info.restart, info.job)
     backend = backend or backend_for_device(device_type)
     check_backend(backend)
+    backend = str(dist.Backend(backend))  # torch's spelling: "GLOO" is "gloo" (DistEnv, the nccl test below)
     device = _pin_device(device_type, info.local_rank)
     kwargs = dict(backend=backend, timeout=timeout)
     if backend == "nccl":

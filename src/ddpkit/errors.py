@@ -161,3 +161,15 @@ def install_worker_excepthook() -> bool:
         faulthandler.enable(all_threads=True)
     _installed = True
     return True
+
+
+def callers_level() -> int:
+    """The warnings stacklevel, seen from the caller of this function, of the innermost frame outside ddpkit and
+    torch: the user's line (that called init_process_group, or ran backward: the reducer is called in from the
+    autograd engine)."""
+    torch = sys.modules.get("torch")
+    inside = tuple(os.path.dirname(path) + os.sep for path in (__file__, getattr(torch, "__file__", None)) if path)
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level if frame is not None else 1

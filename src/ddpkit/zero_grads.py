@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from torch import nn
 
 from .bucket import Bucket
 from .comm import Comm
+from .errors import callers_level
 from .inflight import hold, release
 from .reduction import ReduceScatter
 from .zero_partition import Piece, UnitPlan
@@ -101,7 +101,7 @@ class GradShards:
                           "If they were meant to be cleared, note that clearing the inner module's .grad "
                           "(model.module.zero_grad()) cannot reach them: they are this rank's shards. Call "
                           "optimizer.zero_grad() or model.zero_grad() on the wrapper instead.",
-                          stacklevel=_callers_level())
+                          stacklevel=callers_level())
         if index in self.grads:  # a second synchronised backward before zero_grad: sums, as .grad does
             self.grads[index].add_(shard)
             self.used[index] = [a or b for a, b in zip(self.used[index], used)]
@@ -234,16 +234,6 @@ def _drop_inert_hooks(module: nn.Module) -> None:
             hook = getattr(hook, "hook", hook)  # load pre-hooks come wrapped by torch (.hook)
             if isinstance(hook, WaitAll) and hook.shards is None:
                 del hooks[key]
-
-
-def _callers_level() -> int:
-    """The warnings stacklevel, seen from the caller of this function, of the innermost frame outside ddpkit and
-    torch: the user's line that ran backward (the reducer calls in from the autograd engine)."""
-    inside = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)  # not torchvision
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        level, frame = level + 1, frame.f_back
-    return level if frame is not None else 1
 
 
 def _compiled(module: nn.Module) -> bool:
