@@ -124,6 +124,24 @@ def test_a_redrawn_line_stays_at_the_bottom_and_other_lines_print_above_it():
                                       "[rank0]: train 3/3"]
 
 
+def test_a_restarted_rank_starts_a_new_line(tmp_path):
+    """A worker that died mid-line, then its next attempt's first line: two lines, not one glued (launch review)."""
+    from ddpkit.console import Tail
+
+    out = io.StringIO()
+    tail = Tail(Console(out, terminal=False))
+    first, second = tmp_path / "rank0.log", tmp_path / "rank0.restart1.log"
+    first.write_text("attempt 0: loading data... ")
+    tail.follow(0, str(first))
+    deadline = time.monotonic() + 10
+    while "attempt 0" not in str(tail.console._partial.get(0)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second.write_text("attempt 1: started fresh\n")
+    tail.follow(0, str(second))
+    tail.stop()
+    assert out.getvalue().splitlines() == ["[rank0]: attempt 0: loading data... ", "[rank0]: attempt 1: started fresh"]
+
+
 def test_into_a_pipe_a_redrawn_line_is_one_line_when_it_ends():
     out = io.StringIO()
     console = Console(out, terminal=False)

@@ -72,12 +72,13 @@ class Console:
             self._draw_status()
             self.out.flush()
 
-    def close(self) -> None:
-        """Print what is left unfinished as lines (a worker that died mid-line), leaving the cursor on a new line."""
+    def close(self, rank: int | None = None) -> None:
+        """Print what is left unfinished as lines (a worker that died mid-line), leaving the cursor on a new line;
+        `rank`: only that rank's (its next attempt starts a new line)."""
         with self._lock:
-            for rank in sorted(self._partial):
+            for unfinished in sorted(self._partial) if rank is None else [rank] if rank in self._partial else []:
                 self._status = None
-                self._print_line(rank, _shown(self._partial.pop(rank)))
+                self._print_line(unfinished, _shown(self._partial.pop(unfinished)))
             self.out.flush()
 
     def _prefixed(self, rank: int, text: str) -> str:
@@ -137,6 +138,7 @@ class Tail:
                 return
             time.sleep(self.interval_s)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.console.close(rank)  # a line an earlier attempt of this rank left unfinished is not continued here
         with open(path, "rb") as f:
             while True:
                 chunk = f.read(CHUNK_BYTES)
