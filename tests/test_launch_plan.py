@@ -68,6 +68,9 @@ def test_static_and_c10d_rendezvous_follow_torchrun():
     assert p.rdzv_configs == {"is_host": "1", "join_timeout": "5", "timeout": launch_plan.RDZV_TIMEOUT_S}
     with pytest.raises(ValueError, match="node-rank"):
         plan("--nnodes", "2", "--node-rank", "2", "t.py")
+    for bad, message in (("abc", "must be N or MIN:MAX"), ("2:1", "0 < MIN <= MAX"), ("0", "0 < MIN <= MAX")):
+        with pytest.raises(ValueError, match=message):
+            plan("--nnodes", bad, "t.py")
     with pytest.raises(ValueError, match="fixed --nnodes"):
         plan("--nnodes", "1:2", "--master-port", "5", "t.py")
 

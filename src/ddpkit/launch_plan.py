@@ -149,11 +149,12 @@ def resolve_nproc(value: str, gpus: int | None = None, cores: int | None = None)
 
 def parse_nnodes(value: str) -> tuple[int, int]:
     parts = value.split(":")
-    if len(parts) == 1:
-        return int(parts[0]), int(parts[0])
-    if len(parts) == 2:
-        return int(parts[0]), int(parts[1])
-    raise ValueError(f"--nnodes must be N or MIN:MAX, got {value!r}")
+    if len(parts) not in (1, 2) or not all(part.strip().isdigit() for part in parts):
+        raise ValueError(f"--nnodes must be N or MIN:MAX (whole numbers, as 2 or 1:4), got {value!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 0 < low <= high:  # before a MAX of 1 makes the launch a single node's, whatever MIN said
+        raise ValueError(f"--nnodes needs 0 < MIN <= MAX, got {value!r}")
+    return low, high
 
 
 def parse_rdzv_conf(value: str) -> dict[str, Any]:
