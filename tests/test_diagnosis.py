@@ -69,13 +69,13 @@ def test_a_peer_whose_process_ended_without_a_word_is_named_with_where_it_was():
               3: {"rank": 3, "host": "h", "procs": "boot/pid:[2]", "pid": 11, "waiting": None},
               4: None}
     text = diagnosis.vanished(states, 0, "boot/pid:[1]", ended=lambda pid: pid == 11)
-    assert text == ("rank 1 (pid 11 on h) ended without an error and without telling the others (os._exit, a "
-                    "signal such as SIGKILL, or the out-of-memory killer), last seen after collective #6 barrier "
-                    "(x): the root cause")
+    assert text == ("rank 1 (pid 11 on h) ended without telling the others of an error or that it left "
+                    "(os._exit, a signal such as SIGKILL or SIGINT, the out-of-memory killer, or an abort inside a "
+                    "library), its state posted last (each second) after collective #6 barrier (x): the root cause")
     assert diagnosis.vanished(states, 0, "boot/pid:[1]", ended=lambda pid: False) is None
     assert diagnosis.vanished(states, 0, None, ended=lambda pid: True) is None  # no /proc: nothing is judged
     gone = diagnosis.vanished(states, 1, "boot/pid:[1]", ended=lambda pid: True)
-    assert gone.startswith("rank 0 (pid 10 on h) ended without an error") and "#7 all_reduce (loss)" in gone
+    assert gone.startswith("rank 0 (pid 10 on h) ended without telling the others") and "#7 all_reduce (loss)" in gone
     assert "rank 2" not in gone and "rank 3" not in gone
     assert diagnosis.process_space().startswith(open("/proc/sys/kernel/random/boot_id").read().strip())
     # The real thing: this process lives; a child that exited has ended, still a zombie (not reaped) or reaped.

@@ -433,7 +433,7 @@ def test_a_rank_that_os_exits_0_mid_training_is_named_as_the_root_cause(misbehav
     result = misbehaved["vanish"].result()
     assert result.rc == 1, result.err
     summary = result.err[result.err.index("ddpkit launch: the job failed"):]
-    assert "PeerVanishedError: rank 1 (pid " in summary and "ended without an error" in summary, summary
+    assert "PeerVanishedError: rank 1 (pid " in summary and "ended without telling the others" in summary, summary
     assert "os._exit" in summary and ": the root cause. Rank 0 was in collective #" in summary, summary
 
 

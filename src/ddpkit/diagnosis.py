@@ -235,7 +235,8 @@ def vanished(states: dict[int, State | None], rank: int, space: str | None,
         waiting = state.get("waiting")
         where = (f"waiting in collective #{waiting['seq']} {waiting['op']} ({waiting['what']})" if waiting else
                  f"after collective #{state.get('done_seq', 0)} {state.get('done_what', '')}".rstrip())
-        found.append(f"rank {peer} (pid {state.get('pid')} on {state.get('host')}) ended without an error and "
-                     "without telling the others (os._exit, a signal such as SIGKILL, or the out-of-memory killer), "
-                     f"last seen {where}: the root cause")
+        found.append(f"rank {peer} (pid {state.get('pid')} on {state.get('host')}) ended without telling the "
+                     "others of an error or that it left (os._exit, a signal such as SIGKILL or SIGINT, the "
+                     "out-of-memory killer, or an abort inside a library), its state posted last (each second) "
+                     f"{where}: the root cause")
     return "; ".join(found) or None

@@ -47,8 +47,9 @@ class PeerLeftError(RuntimeError):
 
 
 class PeerVanishedError(PeerLeftError):
-    """A rank's process ended without an error and without telling the others (os._exit, a signal such as
-    SIGKILL, the out-of-memory killer) while this rank still needed it; the message names it and where it was.
+    """A rank's process ended without telling the others of an error or that it left (os._exit, a signal such
+    as SIGKILL, the out-of-memory killer), or the store its host kept went with it, while this rank still needed
+    it; the message names it and where it was.
     Not counted among EXPLAINING_ERRORS: a rank killed by a signal is its own root cause, and the launcher
     names it; one that exited 0 is no failure, and this error is then the job's."""
 
