@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -191,6 +192,19 @@ def test_every_launcher_ends_with_the_same_parameters(compat_runs):
 # ---------------------------------------------------------------------------------------------------------
 # Failures, restarts, signals
 # ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_busy_master_port_is_named_with_what_to_do():
+    """Node 0's store on a port in use: torchelastic's EADDRINUSE traceback before (launch review)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run([*LAUNCH, "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      "--nproc-per-node", "1", "-m", "json.tool", os.devnull], timeout=60)
+    assert result.rc == 1, result.err
+    assert f"cannot listen on port {port} of this host: something else uses it. Pick another --master-port" \
+        in result.err and "Traceback" not in result.err, result.err
 
 
 def test_worker_exception_is_root_cause_and_stops_the_others_fast(tmp_path):

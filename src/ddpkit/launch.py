@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -89,6 +90,7 @@ MERGE_STDERR = ("/bin/sh", "-c", 'exec "$@" 2>&1', "ddpkit-worker")
 
 def run(plan: LaunchPlan) -> int:
     """Run the job; the exit status: 0, 1 when a worker failed, 128+N when the launcher got signal N."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -126,6 +128,15 @@ def run(plan: LaunchPlan) -> int:
                   file=sys.stderr, flush=True)
             return 1
         return 0
+    except DistNetworkError as exc:  # node 0's store could not listen (static rendezvous: torchelastic's own)
+        if "EADDRINUSE" not in str(exc):
+            raise
+        port = re.search(r"port: (\d+)", str(exc))
+        tail.stop()
+        print(f"ddpkit launch: the rendezvous store cannot listen on port {port.group(1) if port else '?'} of this "
+              "host: something else uses it. Pick another --master-port (or leave it out on one node), or stop "
+              "what holds it (ss -ltnp)", file=sys.stderr, flush=True)
+        return 1
     except SignalException as exc:
         tail.stop()
         # torchelastic has already forwarded the signal and waited out the grace period. Leave the
