@@ -112,6 +112,27 @@ def _int(environ: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None) -> LaunchInfo:
+    world = _int(env, "SLURM_NTASKS")
+    if addr is None:
+        # The first node of the allocation, which runs task 0 (as Lightning's SLURM environment takes it), not
+        # where srun was typed (SLURM_LAUNCH_NODE_IPADDR: a login node, perhaps, that runs no task).
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        addr = _first_slurm_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    if port is None:  # the same on every task of a job, different between jobs sharing a node
+        port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
+    return LaunchInfo(rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID") or 0, world_size=world,
+                      local_world_size=_int(env, "SLURM_NTASKS_PER_NODE") or world, master_addr=addr,
+                      master_port=port, launcher="slurm")
+
+
+def _refuse_empty(environ: Mapping[str, str], *names: str) -> None:
+    for name in names:
+        if not environ[name].strip():
+            raise LaunchError(f"environment variable {name} is set but empty: set it to an integer, or unset "
+                              f"{' and '.join(names)} both for a single process")
+
+
 def _first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
@@ -130,10 +151,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, ddpkit launch, accelerate launch, torch.multiprocessing
-        for name in ("RANK", "WORLD_SIZE"):
-            if not env[name].strip():
-                raise LaunchError(f"environment variable {name} is set but empty: set it to an integer, or unset "
-                                  "RANK and WORLD_SIZE both for a single process")
+        _refuse_empty(env, "RANK", "WORLD_SIZE")
         world = _int(env, "WORLD_SIZE")
         return LaunchInfo(
             rank=_int(env, "RANK"),
@@ -151,23 +169,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             job=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = _int(env, "SLURM_NTASKS")
-        if addr is None:
-            # The first node of the allocation, which runs task 0 (as Lightning's SLURM environment takes it), not
-            # where srun was typed (SLURM_LAUNCH_NODE_IPADDR: a login node, perhaps, that runs no task).
-            nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            addr = _first_slurm_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
-        if port is None:  # the same on every task of a job, different between jobs sharing a node
-            port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
-        return LaunchInfo(
-            rank=_int(env, "SLURM_PROCID"),
-            local_rank=_int(env, "SLURM_LOCALID") or 0,
-            world_size=world,
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE") or world,
-            master_addr=addr,
-            master_port=port,
-            launcher="slurm",
-        )
+        return _slurm_launch(env, addr, port)
     mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     mpi_size = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
     if mpi_rank is not None and mpi_size is not None:

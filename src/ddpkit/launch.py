@@ -131,11 +131,8 @@ def run(plan: LaunchPlan) -> int:
     except DistNetworkError as exc:  # node 0's store could not listen (static rendezvous: torchelastic's own)
         if "EADDRINUSE" not in str(exc):
             raise
-        port = re.search(r"port: (\d+)", str(exc))
         tail.stop()
-        print(f"ddpkit launch: the rendezvous store cannot listen on port {port.group(1) if port else '?'} of this "
-              "host: something else uses it. Pick another --master-port (or leave it out on one node), or stop "
-              "what holds it (ss -ltnp)", file=sys.stderr, flush=True)
+        print(_port_in_use(str(exc)), file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         tail.stop()
@@ -150,6 +147,13 @@ def run(plan: LaunchPlan) -> int:
         if handler is not None and shutdown_rdzv:
             handler.shutdown()
         logs.cleanup()
+
+
+def _port_in_use(error: str) -> str:
+    port = re.search(r"port: (\d+)", error)
+    return (f"ddpkit launch: the rendezvous store cannot listen on port {port.group(1) if port else '?'} of this "
+            "host: something else uses it. Pick another --master-port (or leave it out on one node), or stop what "
+            "holds it (ss -ltnp)")
 
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
