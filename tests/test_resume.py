@@ -257,6 +257,27 @@ def test_a_rest_of_an_epoch_smaller_than_a_step_is_one_step_on_another_world_siz
     assert sorted(first + [i for rank in three for _, _, ids in rank[0] for i in ids]) == list(range(26))
 
 
+def tail_dropped_at_a_save(world, out, resume):
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=4, num_train_epochs=2,
+                        save_strategy="steps", save_steps=3, dataloader_drop_last=True)
+    trainer = Recorder(Classifier().double(), args, classification_data(40))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer.seen, trainer.state.global_step, trainer.state.epoch
+
+
+def test_a_save_at_the_end_of_an_epoch_with_a_dropped_tail_resumes_at_the_next_epoch(tmp_path):
+    """40 samples on 3 ranks x 4 with dataloader_drop_last: 3 steps an epoch train 36, 4 are dropped. Resumed on 1
+    rank from checkpoint-3 (the epoch's last step), the dropped 4 made one more batch of epoch 0, which the
+    uninterrupted run never trains: the step that takes the last batch now marks the epoch's end."""
+    out = str(tmp_path)
+    three = run_world(tail_dropped_at_a_save, 3, args=(out, None), deadline_s=120)
+    assert three[0][1:] == (6, 2.0)
+    ((seen, last_step, epoch),) = run_world(tail_dropped_at_a_save, 1, args=(out, f"{out}/w3/checkpoint-3"),
+                                            deadline_s=120)
+    assert {e for _, e, _ in seen} == {1} and (last_step, epoch) == (3 + 10, 2.0), (last_step, epoch, seen)
+
+
 def more_epochs(world, out):
     """One epoch, then the same run resumed asking for two (its second epoch must be trained, not skipped), then
     resumed again asking for two: nothing is left, and rank 0 says so."""

@@ -68,7 +68,15 @@ class TrainingLoop:
         # A checkpoint taken after the epoch's last step resumes to an empty rest of it: every real sample
         # (consumed >= N) was handed out. The ranks still meet in next_window, as in the uninterrupted run.
         finished = resumed is not None and consumed >= len(t.train_dataset)
-        batches = iter(()) if finished else iter(t.get_train_dataloader(sampler, epoch))
+        loader = None if finished else t.get_train_dataloader(sampler, epoch)
+        batches = iter(()) if loader is None else iter(loader)
+        # dataloader_drop_last ends the epoch's data short of its last samples: the step that takes the fullest
+        # rank's last batch marks the epoch's end in `consumed`, so that its checkpoint resumes to an empty rest on
+        # any world size (on fewer ranks the dropped tail would make one more batch, which this run never trains).
+        left = None
+        if t.args.dataloader_drop_last:
+            left = int(max_over_ranks(t.comm, 0 if loader is None else len(loader), "batches of this epoch",
+                                      t.world.device))
         while t.state.global_step < t.state.max_steps:
             t.control.should_save = t.control.should_evaluate = t.control.should_log = False
             t._fire("on_step_begin")
@@ -78,6 +86,9 @@ class TrainingLoop:
             learning_rate = t._learning_rate()  # the rate this step uses: Transformers logs it, not the next one
             step_loss, grad_norm = t.training_step(window)
             consumed += window.samples
+            if left is not None:
+                left -= window.micro_steps
+                consumed = max(consumed, len(t.train_dataset)) if left <= 0 else consumed
             sampler.consumed = consumed  # what was trained on, whatever the loader prefetched
             t.state.global_step += 1
             t.state.epoch = epoch + min(1.0, consumed / max(1, len(t.train_dataset)))

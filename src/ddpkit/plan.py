@@ -89,7 +89,7 @@ def total_steps(steps_per_epoch: int, max_steps: int, num_train_epochs: float, w
     if same_step and resumed.asked is not None and resumed.max_steps == _planned(resumed.asked, steps_per_epoch):
         # Other arguments (more epochs, or epochs where max_steps planned it) on a plan made from the first step
         # with these steps per epoch: planned from the first step again. (Not from the saved epoch fraction,
-        # which never reaches a whole epoch when dataloader_drop_last drops the tail.)
+        # which counts samples: short of a whole epoch inside its last step when dataloader_drop_last drops a tail.)
         return max(resumed.global_step, math.ceil(num_train_epochs * steps_per_epoch))
     # Another step size, or a plan an earlier resume on another world size made: the steps left are re-planned
     # from the epochs left; the learning-rate schedule is stretched or shrunk to the new total. round(): an
@@ -116,9 +116,9 @@ def _planned(asked: tuple[int, float], steps_per_epoch: int) -> int:
 def _epochs_done(resumed: SavedPlan) -> float:
     """The epochs the saved run trained: counted in its steps where they all had its saved steps per epoch (its
     plan was made from the first step with them, and the steps fall in the epoch its fraction is in), else its
-    epoch fraction. The fraction counts samples, and never reaches a whole epoch when dataloader_drop_last drops
-    the tail: 100 samples in batches of 8 on 2 ranks end each epoch at 0.96, and 2.04 epochs left of 3 would
-    plan a step of a fourth."""
+    epoch fraction. The fraction counts samples, and with dataloader_drop_last an older ddpkit's never reached a
+    whole epoch: 100 samples in batches of 8 on 2 ranks ended each epoch at 0.96, and 2.04 epochs left of 3
+    would plan a step of a fourth. (The step that ends an epoch's data now marks it whole: TrainingLoop.epoch.)"""
     per_epoch, fraction = resumed.steps_per_epoch, resumed.epoch
     if not per_epoch or resumed.asked is None or resumed.max_steps != _planned(resumed.asked, per_epoch):
         return fraction
