@@ -313,6 +313,15 @@ def _corrupt_shard(world, folder, comm):
         except CheckpointError as exc:
             told[how] = str(exc)
     load_checkpoint(told["latest"], model=models.make("mlp"), optimizer=fresh, world=world)
+    # Another optimizer's sharded state: named at the load, not a KeyError inside torch at the first step.
+    import ddpkit
+
+    sgd = ddpkit.ZeroRedundancyOptimizer(ddpkit.DistributedDataParallel(models.make("mlp")).parameters(),
+                                         torch.optim.SGD, lr=0.1)
+    try:
+        load_checkpoint(told["latest"], optimizer=sgd, world=world)
+    except CheckpointError as exc:
+        told["sgd"] = str(exc)
     return told
 
 
@@ -333,3 +342,5 @@ def test_sharded_saves_name_a_full_disk_and_a_corrupt_shard_on_every_rank(tmp_pa
         # Every rank names it: checking alone, or sharing the shards out (each reads every world_size-th one).
         for how in ("named", "named together"):
             assert "checkpoint-5 cannot be loaded: optimizer_shard_1.pt fails its checksum" in told[how], told
+        assert "another optimizer than this ZeroRedundancyOptimizer: its param groups lack dampening, momentum" \
+            in told.get("sgd", ""), told

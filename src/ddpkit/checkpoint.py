@@ -50,7 +50,7 @@ from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
                         write_failure, write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
-from .zero_checkpoint import is_sharded, read_into, shard_files, shard_index, stage_shards
+from .zero_checkpoint import foreign_state, is_sharded, read_into, shard_files, shard_index, stage_shards
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -271,18 +271,10 @@ def _load_into(target: Any, file: str, device: torch.device | str) -> None:
 
 
 def _check_hyperparameters(optimizer: torch.optim.Optimizer, state: Any, file: str) -> None:
-    """Refuse another optimizer's state: torch's load_state_dict takes any param groups of the right sizes, and
-    the first step then fails inside the optimizer (SGD's KeyError 'momentum' for an AdamW state). The saved
-    groups must hold this optimizer's hyperparameters; flags (booleans, None: foreach, fused, ...) may be
-    missing, which torch fills in for a state saved by an older version."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
-    needed = {key for key, value in optimizer.defaults.items() if not isinstance(value, bool) and value is not None}
-    missing = sorted(needed - set(groups[0])) if groups and isinstance(groups[0], dict) else []
-    if missing:
-        raise CheckpointError(f"{file} holds the state of another optimizer than this "
-                              f"{type(optimizer).__name__}: its param groups lack {', '.join(missing)} (they hold "
-                              f"{', '.join(sorted(set(groups[0]) - {'params'}))}). Resume with the optimizer the "
-                              "checkpoint was written with (--optim), or start without resume_from_checkpoint")
+    foreign = foreign_state(optimizer, groups[0]) if groups else None
+    if foreign:
+        raise CheckpointError(f"{file} holds {foreign}")
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,

@@ -104,11 +104,29 @@ def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[st
     return out
 
 
+def foreign_state(optimizer: Any, group: Any) -> str | None:
+    """What shows a saved param group to be another optimizer's than `optimizer` (None: it fits): torch's
+    load_state_dict takes any groups of the right sizes, and the first step then fails inside the optimizer (SGD's
+    KeyError 'momentum' for an AdamW state). Flags (booleans, None: foreach, fused, ...) may be missing: torch
+    fills them in for a state an older version saved."""
+    needed = {key for key, value in optimizer.defaults.items() if not isinstance(value, bool) and value is not None}
+    missing = sorted(needed - set(group)) if isinstance(group, dict) else []
+    if not missing:
+        return None
+    held = ", ".join(sorted(set(group) - {"params", "count"}))
+    return (f"the state of another optimizer than this {type(optimizer).__name__}: its param groups lack "
+            f"{', '.join(missing)} (they hold {held}). Resume with the optimizer the checkpoint was written with "
+            "(--optim), or start without resume_from_checkpoint")
+
+
 def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> None:
     """Load the saved state into `optimizer`: a sharded one reads its own ranges, a plain one everything."""
     # Opened now (mmap), not when a stage-2 load deferred to the first step runs: a save before that step may
     # replace this very folder, and the optimizer hands these pieces to it meanwhile.
     groups, pieces = _saved_pieces(folder, whole_file)
+    foreign = foreign_state(optimizer, groups[0]) if groups else None
+    if foreign:
+        raise ValueError(f"it holds {foreign}")
     mine = [g["count"] for g in groups]
     theirs = [len(g["params"]) for g in optimizer.param_groups]
     if mine != theirs:
