@@ -14,11 +14,10 @@ breaks the other ranks' collectives, and they raise it. A wait that is merely lo
 is explained after `threshold_s` (who never arrived and where), again at each doubling of that, and raised with
 the timeout error when the collective finally gives up.
 
-A rank whose main thread dies with an exception posts its traceback; every other rank's thread sees it within
-a second, raises `PeerFailedError` in its main thread and, if that thread is stuck inside a collective, ends the
-process a few seconds later, so a crash never turns into a silent wait for the timeout. A rank that leaves
-without an error (it returned, exited 0, or destroyed the group) posts that it left, and a collective that fails
-or can never finish because of it raises `PeerLeftError` naming it.
+A rank whose main thread dies of an exception posts its traceback; every other rank's thread sees it within a
+second, raises `PeerFailedError` in its main thread and, if that one is stuck in a collective, ends the process a
+few seconds later: a crash never turns into a silent wait for the timeout. A rank that leaves (returns, exits,
+destroys the group) posts so, and a collective broken by it raises `PeerLeftError` naming it.
 
 On NCCL a wait returns before its collective completed, and the main thread blocks later (a `.item()`): there the
 thread waits in the oldest collective the device has not completed (ddpkit.unfinished), and every rank's thread
@@ -168,26 +167,31 @@ class StallMonitor:
             self.done_what = f"{record.op} ({record.what})"
 
     def close(self, how: str = "it called destroy_process_group") -> None:
-        """Stop the thread and post that this rank left (unless it failed, which it posted already)."""
+        """Stop the thread; post that this rank left (unless it posted a failure), naming an exception going up
+        through the `finally:` that closes it (caught later or not: the exit handler posts it if not)."""
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
-        # Closed in a `finally:` (destroy_process_group) while an exception goes up: this rank failed, not left.
-        self._post_failure(sys.exc_info()[1])
         self.stop()
-        if not self._failed and not self._thread.is_alive():  # alive: stuck in a store call, which will not answer
-            last = self.issued_recent[-1] if self.issued_recent else None
-            marker = {"rank": self.rank, "how": how, "seq": last.seq if last else 0,
-                      "what": f"{last.op} ({last.what})" if last else ""}
-            try:
-                answered_within(STORE_ANSWER_S, self.board.post_left, marker)
-            except Exception:  # noqa: BLE001 - the store left (or froze) with its host: nobody is left to tell
-                pass
+        going_up = sys.exc_info()[1]
+        if going_up is None:
+            atexit.unregister(self._at_exit)
+        else:
+            how += f", while {type(going_up).__name__}: {str(going_up).strip()[:200]} went up"
+        self._post_left(how)
 
-    def _at_exit(self) -> None:
-        # An uncaught exception another excepthook (rich's, the user's) took instead of ours: the interpreter
-        # keeps it in sys.last_value, whichever hook printed it.
+    def _post_left(self, how: str) -> None:
+        if self._failed or self._thread.is_alive():  # alive: stuck in a store call, which will not answer
+            return
+        last = self.issued_recent[-1] if self.issued_recent else None
+        marker = {"rank": self.rank, "how": how, "seq": last.seq if last else 0,
+                  "what": f"{last.op} ({last.what})" if last else ""}
+        try:
+            answered_within(STORE_ANSWER_S, self.board.post_left, marker)
+        except Exception:  # noqa: BLE001 - the store left (or froze) with its host: nobody is left to tell
+            pass
+
+    def _at_exit(self) -> None:  # an uncaught exception is in sys.last_value, whichever excepthook printed it
         self._post_failure(getattr(sys, "last_value", None))
         self.close("its process exited without raising: the end of its script, or sys.exit")
 
@@ -228,8 +232,7 @@ class StallMonitor:
             explanation += diagnosis.store_silent(exc) if isinstance(exc, StoreSilent) else ""
         return StallError(f"{explanation}\n(the collective failed with: {error})")
 
-    def _what_went_wrong(self) -> tuple:
-        """From the board: (deadlock report, failed peer, peers that left, vanished peers' text)."""
+    def _what_went_wrong(self) -> tuple:  # from the board: (deadlock, failed peer, peers that left, vanished)
         report = self.deadlock or self.board.deadlock()
         failed = None if report else self.board.failed_peer()
         left = {} if report or failed else self.board.left_peers()
@@ -366,8 +369,7 @@ class StallMonitor:
         self._previous_excepthook(kind, value, tb)
 
     def _post_failure(self, error: BaseException | None) -> None:
-        """Tell the other ranks that this one fails with `error` (its traceback), once; not a Ctrl-C, an exit, or
-        a peer's failure this rank only passes on."""
+        """Tell the others that this rank fails of `error`, once (not a Ctrl-C, an exit, a peer's failure)."""
         if self._failed or error is None or isinstance(error, (KeyboardInterrupt, SystemExit, PeerFailedError)):
             return
         self._failed = True
