@@ -280,6 +280,11 @@ def test_len_holds_still_during_a_pass_and_a_trainer_may_set_consumed():
     assert sampler.state_dict()["consumed"] == 6
     sampler.load_state_dict(sampler.state_dict())
     assert len(sampler) == 7 and list(sampler) == shard_indices(20, 2, 0, consumed=6)
+    # Set to where the last pass stopped (nothing prefetched): still a position to continue from, not a restart.
+    fresh = DistributedSampler(range(20), num_replicas=2, rank=0)
+    taken = list(itertools.islice(iter(fresh), 4))
+    fresh.consumed = fresh.consumed  # what was trained: the same value the pass left
+    assert list(fresh) == shard_indices(20, 2, 0, consumed=8) and len(taken) == 4
 
 
 def test_an_iterator_of_an_earlier_epoch_no_longer_moves_the_position():

@@ -136,33 +136,42 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = bool(drop_last)
         _check(len(dataset), self.num_replicas, self.rank, self.drop_last)
         self.epoch = 0
-        self.consumed = 0
+        self._consumed = 0
         self._token = 0  # bumped by every new pass, set_epoch and load_state_dict: older iterators go quiet
         self._pass_start: int | None = None  # where the latest pass began, so len() holds still during it
-        # consumed as the latest pass left it, finished or not (a peek at the first batch, a loop that broke
-        # off); while consumed still says so (neither a Trainer nor load_state_dict set it since), the next pass
-        # starts the epoch over, as torch's does, instead of yielding only the rest or nothing.
-        self._left_at: int | None = None
+        # Whether a pass moved `consumed` last, finished or not (a peek at the first batch, a loop that broke off):
+        # then the next pass starts the epoch over, as torch's does, instead of yielding the rest or nothing. Not
+        # once a Trainer set `consumed` (even to the same value) or load_state_dict loaded it: that is resumed.
+        self._left_by_pass = False
+
+    @property
+    def consumed(self) -> int:
+        return self._consumed
+
+    @consumed.setter
+    def consumed(self, value: int) -> None:
+        self._consumed, self._left_by_pass = value, False
 
     def _position(self) -> int:
-        return 0 if self.consumed == self._left_at else self.consumed
+        return 0 if self._left_by_pass else self._consumed
 
     def __iter__(self) -> Iterator[int]:
         start = self._position()
         indices = shard_indices(len(self.dataset), self.num_replicas, self.rank, self.shuffle, self.seed,
                                 self.epoch, start, self.drop_last)
         self._token += 1
-        self.consumed, self._pass_start, self._left_at = start, start, None
+        self.consumed, self._pass_start = start, start
         return self._hand_out(indices, start, self._token)
 
     def _hand_out(self, indices: list[int], start: int, token: int) -> Iterator[int]:
         # consumed advances before each yield: a BatchSampler pulls a whole batch before it is trained on.
         for i, index in enumerate(indices):
             if token == self._token:
-                self.consumed = self._left_at = start + (i + 1) * self.num_replicas  # all took their (i+1)-th
+                self._consumed = start + (i + 1) * self.num_replicas  # every rank took its (i+1)-th index
+                self._left_by_pass = True
             yield index
         if not indices and token == self._token:  # an empty rest of the epoch (resumed at its end) is a pass too
-            self._left_at = self.consumed
+            self._left_by_pass = True
 
     def __len__(self) -> int:
         """Indices this rank yields in the current pass (the running one, else the next), resumed or not."""
@@ -174,7 +183,7 @@ class DistributedSampler(Sampler[int]):
         """Reshuffle for `epoch`. The same epoch as now keeps the position (e.g. one just loaded)."""
         epoch = _as_int(epoch, "epoch")
         if epoch != self.epoch:
-            self.epoch, self.consumed, self._left_at = epoch, 0, None
+            self.epoch, self.consumed = epoch, 0
         self._token += 1  # iterators of an earlier pass no longer move `consumed`
         self._pass_start = None
 
@@ -196,4 +205,4 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(f"consumed must be >= 0, the checkpoint says {consumed}")
         self.epoch, self.consumed = epoch, consumed
         self._token += 1
-        self._pass_start, self._left_at = None, None  # a loaded position is resumed, even the epoch's end
+        self._pass_start = None  # a loaded position is resumed, even the epoch's end (consumed was set above)
