@@ -3,8 +3,10 @@ are reported finished when they complete, not when someone waits."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -333,32 +335,36 @@ def test_pairwise_collectives_in_a_subgroup_address_global_ranks():
 
 
 FINISHED_JOB = """
-import torch, ddpkit
-from ddpkit.comm import Comm
+import gc, torch, ddpkit
+import torch.distributed as dist
 world = ddpkit.init_process_group(backend="gloo")
 model = ddpkit.DistributedDataParallel(torch.nn.Linear(64, 4))  # alive until the interpreter exits
 for _ in range(20):
     model(torch.randn(8, 64)).sum().backward()
+pg = dist.group.WORLD
 ddpkit.destroy_process_group()
-assert Comm._shared == {} and model._comm.pg is None, "a destroyed process group is still held"
+held = [type(r).__name__ for r in gc.get_referrers(pg) if r is not globals()]
+print(f"rank {world.rank}: the destroyed group is held by {held}", flush=True)
 """
 
 
-def test_a_finished_job_exits_0_holding_no_destroyed_group(tmp_path):
+def test_a_finished_job_holds_no_destroyed_group():
     """A group held past destroy_process_group is torn down at interpreter exit, where gloo's threads aborted the
-    process (SIGABRT) in 10 of 12 runs of a 2-rank job that had finished (launch review). Three jobs: each
-    failed with probability about 0.7 before."""
+    process (SIGABRT) in 10 of 12 runs of a 2-rank job that had finished (launch review): Comm's registry held
+    it. Checked by what refers to the group, not by the exit status: gloo's teardown also aborts now and then
+    with torch's own DDP (2 of 8 runs), which no change here can prevent."""
     from conftest import clean_env, reap
 
-    script = tmp_path / "finished.py"
-    script.write_text(FINISHED_JOB)
-    for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", str(script)],
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "finished.py")
+        with open(script, "w") as f:
+            f.write(FINISHED_JOB)
+        proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", script],
                                 env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=90)
         finally:
             reap(proc)
-        assert proc.returncode == 0, f"attempt {attempt}:\n{out}"
-
+    for rank in (0, 1):
+        assert f"rank {rank}: the destroyed group is held by []" in out, out
