@@ -15,13 +15,8 @@ from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .callbacks import TrainerCallback, TrainerControl
 from .trainer import EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
-from .env import (
-    DistEnv,
-    LaunchError,
-    LaunchInfo,
-    available_backends,
-    read_launch_env,
-)
+from .backends import available_backends
+from .env import DistEnv, LaunchError, LaunchInfo, read_launch_env
 
 __version__ = "0.1.0"
 

@@ -27,14 +27,13 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from .backends import backend_for_device, check_backend, default_device_type
 from .errors import ERROR_FILE_VAR, callers_level, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
 from .orphan import watch_parent
 from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
-DEVICE_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "cpu": "gloo"}
-KNOWN_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "cncl", "mpi", "ucc")
 # torch's own default for a process group; the Transformers default for ddp_timeout is the same 1800 s.
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -115,9 +114,9 @@ def _int(environ: Mapping[str, str], *names: str) -> int | None:
 def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None) -> LaunchInfo:
     world = _int(env, "SLURM_NTASKS")
     if addr is None:
-        # The first node of the allocation, which runs task 0 (as Lightning's SLURM environment takes it), not
-        # where srun was typed (SLURM_LAUNCH_NODE_IPADDR: a login node, perhaps, that runs no task).
-        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        # The first node of this step (of the allocation, outside srun), which runs task 0, not where srun was
+        # typed (SLURM_LAUNCH_NODE_IPADDR: a login node, perhaps, that runs no task).
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         addr = _first_slurm_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
     if port is None:  # the same on every task of a job, different between jobs sharing a node
         port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
@@ -215,61 +214,6 @@ def report_startup_error(text: str) -> None:
         return
     if is_main_process():
         print(text, file=sys.stderr, flush=True)
-
-
-def available_backends() -> list[str]:
-    """The collective backends this torch build can use on this machine."""
-    found = []
-    if dist.is_gloo_available():
-        found.append("gloo")
-    if dist.is_nccl_available() and torch.cuda.is_available():
-        found.append("nccl")
-    if getattr(dist, "is_xccl_available", lambda: False)() and hasattr(torch, "xpu") and torch.xpu.is_available():
-        found.append("xccl")
-    if dist.is_mpi_available():
-        found.append("mpi")
-    if getattr(dist, "is_ucc_available", lambda: False)():
-        found.append("ucc")
-    # Registered by vendor plug-ins: hccl by torch_npu (Ascend) and Habana's (Gaudi, torch.hpu), cncl by torch_mlu.
-    for name, modules in (("hccl", ("npu", "hpu")), ("cncl", ("mlu",))):
-        if any(hasattr(torch, m) for m in modules) and name in getattr(dist.Backend, "backend_list", []):
-            found.append(name)
-    return found
-
-
-def default_device_type() -> str:
-    """The accelerator this process should use, or cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    for kind in ("xpu", "npu", "mlu", "hpu"):
-        module = getattr(torch, kind, None)
-        if module is not None and getattr(module, "is_available", lambda: False)():
-            return kind
-    return "cpu"
-
-
-def backend_for_device(device_type: str) -> str:
-    try:
-        return DEVICE_BACKENDS[device_type]
-    except KeyError:
-        raise ValueError(f"no default backend for device type {device_type!r}; pass backend= explicitly") from None
-
-
-def check_backend(backend: str) -> None:
-    """Fail at once, naming what is available, when `backend` cannot run here. Names as torch takes them: in any
-    case ("GLOO"), or one per device ("cpu:gloo,cuda:nccl")."""
-    available = available_backends()
-    for device, _, name in (part.strip().lower().rpartition(":") for part in backend.split(",")):
-        if device and device != "cpu" and not getattr(getattr(torch, device, None), "is_available", bool)():
-            continue  # "cuda:nccl" for the GPUs of another machine the same script runs on: unused here
-        if name not in KNOWN_BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(KNOWN_BACKENDS)}, or one per "
-                             f"device as 'cpu:gloo,cuda:nccl' (available on this machine: "
-                             f"{', '.join(available) or 'none'})")
-        if name not in available:
-            why = " (nccl needs CUDA GPUs, and none is visible)" if name == "nccl" else ""
-            raise ValueError(f"backend {name!r} is not available here{why}; "
-                             f"available on this machine: {', '.join(available) or 'none'}")
 
 
 def to_timeout(timeout: float | int | datetime.timedelta | None) -> datetime.timedelta:
