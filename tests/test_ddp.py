@@ -240,14 +240,16 @@ def accumulation_and_buffers(world):
     ddp = ddpkit.DistributedDataParallel(model)
     out["init"] = fingerprint(ddp.module, buffers=True)
     # Buffers: each rank's running statistics drift apart in its own forward; at the start of every forward
-    # that has grad enabled they are rank 0's again.
+    # after a synchronised one, with grad or (the first evaluation after training) without, they are rank 0's.
     seen = []
     handle = ddp.module.register_forward_pre_hook(lambda mod, args: seen.append(mod.bn1.running_mean.clone()))
     for step in range(2):
         x, _ = models.batch("convbn", SHARD, seed=50 + step + 10 * r)
         ddp(x).sum().backward()
     with torch.no_grad():
-        ddp.module.bn1.running_mean.add_(float(r))  # no broadcast in no-grad forwards
+        ddp.module.bn1.running_mean.add_(float(r))  # the first forward without grad after training: rank 0's
+        ddp(x)
+        ddp.module.bn1.running_mean.add_(float(r))  # the next one keeps each rank's own, as torch's
         ddp(x)
     handle.remove()
     out["buffers_seen"] = [t.tolist() for t in seen]
@@ -261,8 +263,8 @@ def test_accumulation_buffers_and_init():
         assert a[mode] == b[mode], f"{mode}: replicas diverged"
         assert a[f"{mode}_local"] != b[f"{mode}_local"], f"{mode}: gradients were synchronised inside no_sync"
     assert a["init"] == b["init"]
-    assert a["buffers_seen"][:2] == b["buffers_seen"][:2]
-    assert a["buffers_seen"][2] != b["buffers_seen"][2]
+    assert a["buffers_seen"][:3] == b["buffers_seen"][:3]
+    assert a["buffers_seen"][3] != b["buffers_seen"][3]
 
 
 # -- regressions found in review ----------------------------------------------------------------------------------

@@ -7,12 +7,11 @@
         model(x2).sum().backward()
 
 What differs from torch's: a parameter that gets no gradient never hangs and never lets replicas diverge,
-whatever `find_unused_parameters` says (see `Reducer`); `find_unused_parameters=True` only adds a walk of
-the autograd graph after each forward, so that buckets holding parameters the forward did not reach are
-launched during backward instead of at its end (a graph with custom autograd Functions, reentrant
-checkpointing among them, is treated as reaching every parameter). Two backward passes after two forwards,
-and layers used several times under reentrant activation checkpointing, give the gradients one process
-would compute.
+whatever `find_unused_parameters` says (see `Reducer`); `find_unused_parameters=True` only adds a walk of the
+autograd graph after each forward, so that buckets of parameters the forward did not reach are launched during
+backward, not at its end (custom autograd Functions, reentrant checkpointing among them, count as reaching
+every parameter). Two backwards after two forwards, and layers used several times under reentrant activation
+checkpointing, give the gradients one process would compute.
 """
 
 from __future__ import annotations
@@ -208,21 +207,23 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         if not torch.is_grad_enabled() or self.reducer is None:
-            # Forwards without grad never broadcast, nor change the flag, nor take part in join(): evaluation
-            # may run on one rank only, where torch's wrapper, which broadcasts there too, hangs.
+            # torch's rule, grad or not: the forward after a synchronised one takes rank 0's buffers, so an
+            # evaluation after training runs on the statistics every rank shares (to evaluate on one rank only,
+            # call model.module, as with torch's wrapper: here the mismatch would end the job, named).
+            if self.reducer is not None and not self._join_config.enable and self.will_sync_module_buffers():
+                self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
             return inputs, kwargs
         if self._join_config.enable:
             training_forward(self)  # what ranks that ran out of data shadow; buffers from the highest rank
         elif self.will_sync_module_buffers():
-            # Running statistics and the like come from rank 0, as in torch's wrapper at every forward that
-            # follows a synchronised one (require_forward_param_sync, set in _post_forward): under no_sync
-            # accumulation only the first micro-batch pays the broadcast, and each later one keeps its own
-            # statistics.
+            # Running statistics and the like come from rank 0 after a synchronised forward (torch's
+            # require_forward_param_sync): under no_sync only the first micro-batch pays the broadcast.
             self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
         return inputs, kwargs
 
     def _post_forward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
+            self.require_forward_param_sync = False  # torch's: the next forward keeps its own buffers
             return output
         # torch's rule: buffers are broadcast before the next forward only if this one will synchronise.
         self.require_forward_param_sync = self.require_backward_grad_sync
@@ -236,9 +237,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             return output  # nothing to arm: the first gradient hook opens the window instead
         if sync and self.find_unused_parameters:
             self._note_reachable(tensors)
-        # A pre-hook on the nodes that produced the outputs runs first in the backward pass that uses them, in
-        # the outermost graph task, and costs no copy: the outputs are returned as they are, so users may even
-        # change them in place.
+        # A pre-hook on the nodes that produced the outputs runs first in the backward that uses them, in the
+        # outermost graph task, and costs no copy: the outputs are returned as they are (users may change them).
         arm = functools.partial(_arm_window, self.reducer, sync)
         for node in nodes:
             node.register_prehook(arm)
