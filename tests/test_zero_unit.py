@@ -88,6 +88,7 @@ def test_state_dict_after_add_param_group_covers_the_new_group():
 
     a, b = nn.Linear(3, 3), nn.Linear(3, 1)
     opt = ddpkit.ZeroRedundancyOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert (opt.global_rank, opt.initialized, opt._overlap_with_ddp) == (0, True, False)  # torch's attributes
     b(a(torch.ones(2, 3))).sum().backward()
     opt.step()
     opt.consolidate_state_dict()

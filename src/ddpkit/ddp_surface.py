@@ -19,6 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from . import hooks
 from .join import DDPJoinHook, refuse_stage_2
 
+
+# The element type names torch's logging data gives (c10's TypeMeta names: "float", not "float32").
+_TYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+               torch.bfloat16: "c10::BFloat16"}
+
 # torch's own methods that read no field of torch's wrapper: they work on ours as they are.
 INHERITED = frozenset({
     "_active_ddp_module",  # the class attribute Dynamo reads; ddpkit sets it on torch's class (ddp.py)
@@ -159,7 +164,7 @@ class TorchSurface:
             "is_multi_device_module": int(len({p.device for p in params}) > 1),
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+            "dtypes": ", ".join(sorted({_TYPE_NAMES.get(p.dtype, str(p.dtype).replace("torch.", "")) for p in params})),
             "bucket_sizes": ", ".join(map(str, buckets)),
             "iteration": 0 if reducer is None else reducer.windows,
             "comm_hook": "" if reducer is None or reducer.comm_hook is None else

@@ -70,6 +70,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.process_group = process_group
         self.comm = Comm.for_group(process_group)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self.global_rank, self.initialized, self._overlap_with_ddp = self.comm.global_rank(self.rank), True, False
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.whole = whole
         self.units: list[Unit] = []
