@@ -7,6 +7,8 @@ fields (ddpkit.ddp_surface.INHERITED).
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import copy
 import dis
@@ -129,6 +131,7 @@ def test_implemented_methods_in_a_world_of_one():
     assert data["module_name"] == "ConvBN" and data["world_size"] == 1 and data["broadcast_buffers"] == 1
     assert data["num_parameter_tensors"] == len([p for p in ddp.module.parameters() if p.requires_grad])
     assert data["dtypes"] == "float"  # c10's name, as torch's (its test_ddp_logging_data_cpu asserts it)
+    assert data["master_port"] == os.environ.get("MASTER_PORT", "N/A") and "has_rebuilt_buckets" in data
     inputs, kwargs = ddp.to_kwargs((torch.ones(1),), {"a": torch.zeros(1)}, 0)
     assert inputs[0][0].device.type == "cpu" and kwargs[0]["a"].device.type == "cpu"
 

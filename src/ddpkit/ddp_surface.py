@@ -9,6 +9,7 @@ fields (INHERITED). tests/test_ddp_surface.py walks torch's class and fails on a
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -169,6 +170,18 @@ class TorchSurface:
             "iteration": 0 if reducer is None else reducer.windows,
             "comm_hook": "" if reducer is None or reducer.comm_hook is None else
             getattr(reducer.comm_hook, "__qualname__", repr(reducer.comm_hook)),
+            "has_rebuilt_buckets": int(bool(buckets)),  # ddpkit builds its buckets once, at the first backward
+            "rebuilt_bucket_sizes": ", ".join(map(str, buckets)),
+            **_environment(self._comm.backend),
             "ddpkit": 1,
         }
 
+
+def _environment(backend: str) -> dict[str, Any]:
+    """The launch environment torch's logging data reports: variables as set ("N/A" when not), gloo's threads."""
+    names = ["MASTER_ADDR", "MASTER_PORT", "TORCH_DISTRIBUTED_DEBUG", "CUDA_VISIBLE_DEVICES"]
+    names += ["GLOO_SOCKET_IFNAME", "GLOO_DEVICE_TRANSPORT"] if backend == "gloo" else []
+    found: dict[str, Any] = {name.lower(): os.environ.get(name, "N/A") for name in names}
+    if backend == "gloo":
+        found["gloo_num_threads"] = 2  # torch's default for the gloo backend of a DDP process group
+    return found
