@@ -105,9 +105,62 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank_and_halves_the
         assert scaled[1]["lr"] == scaled[0]["lr"] and not np.isfinite(scaled[1]["norm"])
     # Under plain DDP the averaged gradients are the same everywhere; under ZeRO only rank 1's shard held the inf,
     # so a rank-local decision would have stepped rank 0 and skipped rank 1.
-    assert a[0][0][1]["found_here"] and b[0][0][1]["found_here"]
-    for stage in (1, 2):
-        assert not a[stage][0][1]["found_here"] and b[stage][0][1]["found_here"], stage
+    # At stage 1 every rank checks the whole .grad (averaged: the inf is everywhere); at stage 2 only its shard.
+    for stage in (0, 1):
+        assert a[stage][0][1]["found_here"] and b[stage][0][1]["found_here"], stage
+    assert not a[2][0][1]["found_here"] and b[2][0][1]["found_here"]
+
+
+def _by_hand(world, stage, scaler_class):
+    """torch's AMP recipe written by hand, the scaler's comm left at its default: scale, backward, unscale_,
+    clip (torch's clip_grad_norm_ over model.parameters(), or the optimizer's over the shards at stage 2), step,
+    update. Returns per step the weights, the norm and the scale, or the error raised."""
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = Spike()
+    ddp = ddpkit.DistributedDataParallel(model, **({"zero_stage": 2} if stage == 2 else {}))
+    opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1) if stage else \
+        torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = scaler_class("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    trace = []
+    try:
+        for step in range(4):
+            scaler.scale(ddp(_inputs(world.rank, step))).backward()
+            scaler.unscale_(opt)
+            norm = opt.clip_grad_norm_(1.0) if stage == 2 else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            trace.append((model.w.detach().clone().numpy(), float(norm), scaler.get_scale()))
+    except RuntimeError as error:
+        return str(error), model.w.detach().clone().numpy()
+    return trace
+
+
+def by_hand_world(world):
+    return {(stage, scaler.__name__): _by_hand(world, stage, scaler)
+            for stage in (0, 1, 2) for scaler in (torch.amp.GradScaler, AgreedGradScaler) if (stage, scaler) != (0, 0)}
+
+
+def test_torchs_recipe_by_hand_under_each_stage_with_the_default_comm():
+    a, b = run_world(by_hand_world, 2, deadline_s=90, collective_timeout_s=20)
+    truth = a[0, "GradScaler"]
+    assert [t[2] for t in truth] == [1024.0, 512.0, 512.0, 1024.0]  # step 1 skipped, on every rank
+    for key in ((0, "AgreedGradScaler"), (1, "GradScaler"), (1, "AgreedGradScaler"), (2, "AgreedGradScaler")):
+        for rank, got in enumerate((a[key], b[key])):
+            assert [t[2] for t in got] == [t[2] for t in truth], (key, rank)
+            for (w, norm, _), (w_true, norm_true, _) in zip(got, truth):
+                # Unscaled whole before torch's clip reads it (stage 1: not only this rank's slice); the ranks agree
+                # on the skip without being told their group (ZeRO's own); one element's sum of two is exact.
+                np.testing.assert_array_equal(w, w_true, err_msg=f"{key} rank {rank}")
+                # (stage 2's norm sums the shards' squares: another order, 1e-6 apart)
+                assert np.isclose(norm, norm_true, rtol=1e-6 if key[0] == 2 else 0, atol=0) or not (
+                    np.isfinite(norm) or np.isfinite(norm_true)), (key, norm, norm_true)
+    # torch's own scaler cannot see stage 2's shards (no .grad): refused at its first step, nothing stepped.
+    for error, w in (a[2, "GradScaler"], b[2, "GradScaler"]):
+        assert "ddpkit.AgreedGradScaler" in error and "zero_stage=2" in error, error
+        np.testing.assert_array_equal(w, Spike().w.detach().numpy())
 
 
 class ScaleTrace(Trainer):

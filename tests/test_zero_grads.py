@@ -363,10 +363,43 @@ def _stage2_against_plain(world, prepare, steps, set_to_none=True):
     return errors, [r[2].param_groups[0]["lr"] for r in runs]
 
 
+def _strays_against_plain(world):
+    """Parameters of the optimizer in no bucket of the stage-2 wrapper: one outside the model (a temperature, as
+    CLIP's) and one the wrapper is told to ignore. Their gradients are the same on every rank here, so that the
+    plain optimizer keeps them equal too: the largest difference from plain DDP's parameters after each step."""
+    import ddpkit
+
+    runs = []
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        module = Branch()
+        module.ignored = nn.Parameter(torch.ones(3))
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["ignored"])
+        temp = nn.Parameter(torch.full((2,), 2.0))
+        model = ddpkit.DistributedDataParallel(module, zero_stage=stage)
+        params = list(model.parameters()) + [temp]
+        opt = (torch.optim.AdamW(params, lr=1e-2) if stage == 0 else
+               ddpkit.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-2))
+        runs.append((params, model, opt, temp))
+    errors = []
+    for step in range(3):
+        for params, model, opt, temp in runs:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + world.rank))
+            loss = model(x, side=step == 0).square().mean() + 3 * temp.sum() + model.module.ignored.square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        errors.append(max((a - b).abs().max().item() for a, b in zip(runs[0][0], runs[1][0])))
+    _, model, _, temp = runs[1]
+    moved = [(p.detach() != start).all().item() for p, start in ((temp, 2.0), (model.module.ignored, 1.0))]
+    return errors, moved
+
+
 def optimizer_surface_under_stage_2(world):
     import copy
 
     out = {"kept zeros": _stage2_against_plain(world, lambda opt, i: None, range(3), set_to_none=False)[0]}
+    out["strays"] = _strays_against_plain(world)
     # A state loaded before stage 2's first step (deferred until its shards are known) puts its hyperparameters
     # in param_groups at once, and a learning rate set after the load stays.
     saved = {}
@@ -386,10 +419,12 @@ def optimizer_surface_under_stage_2(world):
     return out
 
 
-def test_stage_2_keeps_zeroed_shards_and_loads_hyperparameters_at_once():
+def test_stage_2_keeps_zeroed_shards_steps_strays_and_loads_hyperparameters_at_once():
     for got in run_world(optimizer_surface_under_stage_2, 2, deadline_s=120):
         # zero_grad(set_to_none=False): the side layer, unused after step 0, is still stepped (weight decay,
         # momentum) with a zero gradient, as the unsharded AdamW steps every parameter whose .grad is set
         assert got["kept zeros"] == [0.0, 0.0, 0.0], got
+        # A parameter outside the wrapper and one it ignores are stepped too (they were left as they were)
+        assert got["strays"] == ([0.0, 0.0, 0.0], [True, True]), got
         errors, lrs = got["loaded"]
         assert errors == [0.0, 0.0] and lrs == [1e-4, 1e-4], got

@@ -11,6 +11,7 @@ from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedE
 from .join import Join
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
+from .precision import AgreedGradScaler
 from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .callbacks import TrainerCallback, TrainerControl
@@ -57,4 +58,5 @@ __all__ = [
     "PeerVanishedError",
     "DeadlockError",
     "ZeroRedundancyOptimizer",
+    "AgreedGradScaler",
 ]

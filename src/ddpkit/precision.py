@@ -21,7 +21,7 @@ import torch
 
 from .args import ArgumentError
 from .comm import Comm, max_over_ranks
-from .zero_trainer import step_gradients
+from .zero_trainer import agreeing_comm, step_gradients
 
 
 class Precision:
@@ -60,10 +60,11 @@ class Precision:
 class AgreedGradScaler(torch.amp.GradScaler):
     """torch.amp.GradScaler for data parallelism: every rank skips or takes a step alike.
 
-    torch's scaler unscales and checks the .grad of every parameter of the optimizer. Here it is the gradients this
-    rank's step reads (`step_gradients`: under ZeRO only its shard, and stage 2 leaves no .grad at all), and the
-    found-inf flag is the max over the ranks: a rank whose shard holds no inf must still skip when another's does,
-    or the replicas part (stage 1/2), and the all-gathers after the step would not match. Under plain DDP the
+    torch's scaler unscales and checks the .grad of every parameter of the optimizer. Here it is every gradient
+    (`step_gradients`: under ZeRO stage 2 this rank's shards too, which keep no .grad), and the found-inf flag is
+    the max over the ranks: a rank whose gradients hold no inf must still skip when another's do, or the replicas
+    part (stage 1/2), and the all-gathers after the step would not match. `comm` None: ddpkit's
+    ZeroRedundancyOptimizer's ranks agree (its own group), other optimizers decide alone. Under plain DDP the
     averaged gradients are the same everywhere, so the agreement changes nothing there but costs one all-reduce of
     one number per step (the scaler's step reads found-inf on the host anyway). The scale therefore moves the same
     on every rank, and the state_dict rank 0 saves is every rank's. Overriding `_unscale_grads_` is what torch's
@@ -91,11 +92,23 @@ class AgreedGradScaler(torch.amp.GradScaler):
                 found_inf += found.to(found_inf.device)
         found = found_inf.item()
         self.found_here = bool(found)
-        if self.comm is not None:
-            found = max_over_ranks(self.comm, found, "fp16: inf/nan gradients on any rank?", found_inf.device)
+        comm = self.comm if self.comm is not None else agreeing_comm(optimizer)
+        if comm is not None:
+            found = max_over_ranks(comm, found, "fp16: inf/nan gradients on any rank?", found_inf.device)
         found_inf.fill_(1.0 if found else 0.0)
         self.skipped = bool(found)
         return {found_inf.device: found_inf}
+
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        # ddpkit's ZeRO at stage 2 says it scales by itself (_step_supports_amp_scaling), so that torch's own
+        # scaler, blind to the shards, reaches its step and is refused there; this one unscales the shards itself.
+        hidden = optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            if hidden is not None:
+                optimizer._step_supports_amp_scaling = hidden
 
 
 class ScaledPrecision(Precision):

@@ -38,11 +38,11 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .comm import Comm
 from .join import ZeroJoinHook, refuse_stage_2
-from .zero_grads import grad_shards_of, unit_plan
+from .zero_grads import grad_shards_of, refuse_blind_scaler, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
 from .zero_partition import chunk_positions, partition_flat, partition_whole
 from .zero_state import local_state_dict, slice_state, whole_pieces, whole_state_dict
-from .zero_unit import Unit, clip_shards_, relending
+from .zero_unit import Unit, clip_shards_, step_units
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -91,6 +91,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                                  "rank flat slices of the buckets; use it with zero_stage=0 (this class is stage 1)")
             # The shards are the reducer's buckets', known after the first synchronised backward: built then.
             self.grad_shards.consumer = self
+            self._step_supports_amp_scaling = True  # torch's GradScaler, blind to the shards, then reaches step()
             self._adopt_defaults(optimizer_class([torch.zeros(1, requires_grad=True)], **defaults))
         self._built = True
 
@@ -108,8 +109,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 group.setdefault(key, value)
 
     # -- sharding -------------------------------------------------------------------------------------------------
-    def _shard_group(self, index: int) -> dict[str, Any]:
-        """Partition one param group among the ranks; the local optimizer's group for this rank's share.
+    def _shard_group(self, index: int, skip: frozenset[int] = frozenset()) -> dict[str, Any]:
+        """Partition one param group among the ranks (but the parameters whose id is in `skip`); the local
+        optimizer's group for this rank's share.
 
         The memory this saves, in the ZeRO paper's accounting for Ψ parameters trained with mixed-precision
         Adam: 2Ψ bytes of fp16 weights + 2Ψ of fp16 gradients + KΨ of optimizer state, K = 12 (an fp32 copy
@@ -124,6 +126,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         first = sum(len(g["params"]) for g in self.param_groups[:index])
         by_kind: dict[tuple, list[int]] = {}
         for position, param in enumerate(group["params"]):
+            if id(param) in skip:
+                continue
             # A flat slice is a view only of a contiguous parameter: one that is not (channels_last, a transpose)
             # goes whole to one rank, whose optimizer steps it as it is (torch's class partitions so always).
             whole = self.whole or not (param.is_contiguous() or self.parameters_as_bucket_view)
@@ -170,6 +174,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise RuntimeError("a ZeroRedundancyOptimizer cannot be the first joinable of a Join: the first one "
                                "says at each iteration that its rank still trains, which the model's forward does; "
                                "write Join([model, optimizer])")
+        refuse_blind_scaler(self)
         loss = None
         one_step = any(u.plan.whole for u in self.units) or bool(kwargs) or self.optimizer_class not in ELEMENTWISE
         handed = closure if one_step and self.grad_shards is None else None
@@ -181,9 +186,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             unit.follow(self.units)
         chosen = copy_down(self.optimizer_class, self.param_groups, self.optim.param_groups, self._foreach_ok)
         self._consolidated, self._fresh = None, False
-        started, returned = self._step_and_gather(one_step, kwargs, handed)
+        started, returned = step_units(self.optim, self.units, self.grad_shards is not None, one_step, kwargs,
+                                       handed)
         for unit, handle in started:
-            if self.grad_shards is not None:
+            if self.grad_shards is not None and unit.index >= 0:
                 self.grad_shards.add_gather(unit.index, unit, handle)  # waited for by the next forward
             else:
                 unit.finish_gather(handle)
@@ -191,39 +197,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if self.grad_shards is not None:
             self.grad_shards.stepped_on()
         return loss if returned is None else returned  # torch's returns what the wrapped step returned
-
-    def _step_and_gather(self, one_step: bool, kwargs: dict[str, Any],
-                         closure: Any = None) -> tuple[list[tuple[Unit, Any]], Any]:
-        """Unit by unit, step the shard and start its all-gather, which runs while the next unit steps (each
-        local step sees only that unit's gradients; an elementwise optimizer skips the others). Stage 2: the
-        first layers' buckets, last in index order, are gathered first, so that the next forward starts sooner.
-        Stage 1 waits for every gather in step(): the largest units go first, their transfers running while the
-        smaller ones step. `one_step` (whole parameters, which step with their own .grad; step kwargs; any class
-        but torch's own, whose step may count or log): one local step for all units, on every rank, as torch's
-        class does, with the closure if any (`relending`). Returns the gathers and what that one step returned."""
-        units = list(reversed(self.units))
-        if self.grad_shards is None:
-            units.sort(key=lambda unit: -unit.plan.segment_numel)
-        if one_step:
-            for unit in units:
-                unit.lend_grads()
-            try:
-                returned = self.optim.step(**kwargs) if closure is None else \
-                    self.optim.step(closure=relending(closure, units), **kwargs)
-            finally:
-                for unit in units:
-                    unit.take_back_grads()
-            return [(unit, unit.start_gather()) for unit in units], returned
-        started = []
-        for unit in units:
-            if unit.mine:
-                unit.lend_grads()
-                try:
-                    self.optim.step()
-                finally:
-                    unit.take_back_grads()
-            started.append((unit, unit.start_gather()))
-        return started, None
 
     def wait_for_params(self) -> None:
         """Stage 2: wait for every parameter all-gather the last step left in flight. Reads through torch
@@ -264,6 +237,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 if indices[piece.param] is not None:  # not a parameter of this optimizer: never stepped
                     self._slot_of[id(tensor)] = (indices[piece.param], piece.start, piece.stop)
                     local[groups[piece.param]].append(tensor)
+        # Parameters of this optimizer in no bucket (outside the wrapper, or ignored by it): stepped as at stage 1,
+        # each owner with its slice of their own .grad (not averaged: the wrapper never saw them), then gathered.
+        bucketed = frozenset(id(p) for bucket in shards.buckets.values() for p in bucket.params)
+        for index in range(len(self.param_groups)):
+            local[index] += self._shard_group(index, bucketed)["params"]
         self._build([{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                      for group, params in zip(self.param_groups, local)])
         if self._pending_load is not None:

@@ -188,6 +188,19 @@ class GradShards:
             self.wait_all()  # what no function read: the parameters of unused layers
 
 
+def refuse_blind_scaler(optimizer: Any) -> None:
+    """Stage 2's optimizer stepped by torch.amp.GradScaler, which set these two attributes first (it calls such a
+    step directly, as the optimizer says it scales by itself): that scaler unscales and checks .grad, which stage
+    2 does not keep, so it would step the shards still scaled."""
+    if hasattr(optimizer, "found_inf") or getattr(optimizer, "grad_scale", None) is not None:
+        for name in ("found_inf", "grad_scale"):
+            optimizer.__dict__.pop(name, None)
+        raise RuntimeError("torch.amp.GradScaler cannot scale a DistributedDataParallel(zero_stage=2) model's "
+                           "gradients: it unscales and checks each parameter's .grad, and stage 2 keeps only this "
+                           "rank's shard of them. Use ddpkit.AgreedGradScaler (a GradScaler that unscales the "
+                           "shards and skips a step on every rank alike) in its place, or zero_stage=1")
+
+
 def grad_shards_of(params: list[nn.Parameter]) -> GradShards | None:
     """The stage-2 gradient shards the parameters belong to (DistributedDataParallel(zero_stage=2)), if any."""
     owners = (getattr(p, ATTRIBUTE, None) for p in params)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .comm import Comm
 from .zero import ZeroRedundancyOptimizer
 
 
@@ -45,9 +46,18 @@ def wait_for_params(optimizer: torch.optim.Optimizer | None) -> None:
 
 
 def step_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The gradients this rank's optimizer step reads, as views that may be changed in place: under ZeRO its
-    shard (stage 2 keeps them in the reducer's shards, not in .grad), else every parameter's .grad."""
+    """The gradients of the optimizer's parameters, as views that may be changed in place (fp16 unscales them):
+    every .grad, and under ZeRO stage 2 this rank's shards of the buckets (which keep no .grad). At stage 1 every
+    .grad, not only this rank's slices: torch.nn.utils.clip_grad_norm_(model.parameters()) after unscale_ reads
+    them all (torch's recipe), and must not find them still scaled."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer._ensure_built()  # stage 2 partitions by the buckets at the first step: as clip_grad_norm_ does
-        return [g for unit in optimizer.units for g in unit.grads()]
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads += [g for unit in optimizer.units if unit.index >= 0 for g in unit.grads()]  # stage 2's shards
+    return grads
+
+
+def agreeing_comm(optimizer: torch.optim.Optimizer) -> Comm | None:
+    """Who must agree on a step being skipped: ZeRO's ranks (each checks only the gradients it holds), else no one
+    (DDP's averaged gradients are the same everywhere)."""
+    return optimizer.comm if isinstance(optimizer, ZeroRedundancyOptimizer) else None

@@ -184,6 +184,41 @@ def relending(closure: Any, units: list[Unit]) -> Any:
     return run
 
 
+def step_units(optim: torch.optim.Optimizer, units: list[Unit], stage_2: bool, one_step: bool,
+               kwargs: dict[str, Any], closure: Any = None) -> tuple[list[tuple[Unit, Any]], Any]:
+    """Unit by unit, step the shard with the local optimizer `optim` and start its all-gather, which runs while
+    the next unit steps (each local step sees only that unit's gradients; an elementwise optimizer skips the
+    others). Stage 2: the first layers' buckets, last in index order, are gathered first, so that the next
+    forward starts sooner. Stage 1 waits for every gather in step(): the largest units go first, their transfers
+    running while the smaller ones step. `one_step` (whole parameters, which step with their own .grad; step
+    kwargs; any class but torch's own, whose step may count or log): one local step for all units, on every
+    rank, as torch's class does, with the closure if any (`relending`). Returns the gathers and what that one
+    step returned."""
+    ordered = list(reversed(units))
+    if not stage_2:
+        ordered.sort(key=lambda unit: -unit.plan.segment_numel)
+    if one_step:
+        for unit in ordered:
+            unit.lend_grads()
+        try:
+            returned = optim.step(**kwargs) if closure is None else \
+                optim.step(closure=relending(closure, ordered), **kwargs)
+        finally:
+            for unit in ordered:
+                unit.take_back_grads()
+        return [(unit, unit.start_gather()) for unit in ordered], returned
+    started = []
+    for unit in ordered:
+        if unit.mine:
+            unit.lend_grads()
+            try:
+                optim.step()
+            finally:
+                unit.take_back_grads()
+        started.append((unit, unit.start_gather()))
+    return started, None
+
+
 def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
     norm_type = float(norm_type)
