@@ -23,18 +23,18 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _clipped(world, stage, norm_type, poison=None):
+def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=False):
     """The norm the clip returns and the parameters after the clipped SGD step; poison: (parameter index,
-    element) made NaN in the averaged gradient, on every rank."""
+    element) made NaN in the averaged gradient, on every rank. typed: the norm as its dtype's name and value."""
     import ddpkit
 
     torch.manual_seed(0)
-    module = Net()
+    module = Net().to(dtype)
     model = ddpkit.DistributedDataParallel(module, zero_stage=2 if stage == 2 else 0)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1) if stage == 0 else
            ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(world.rank))
-    loss = model(x).square().mean()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(world.rank)).to(dtype)
+    loss = model(x).float().square().mean()
     if poison is not None:  # NaN in one averaged gradient element: every rank's contribution NaN there
         param = list(module.parameters())[poison[0]]
         param.register_hook(lambda g: g.index_put((torch.tensor(poison[1]),), torch.tensor(math.nan)))
@@ -46,6 +46,8 @@ def _clipped(world, stage, norm_type, poison=None):
     opt.step()
     if stage == 2:
         opt.wait_for_params()
+    if typed:
+        return str(norm.dtype), float(norm)
     return float(norm), [p.detach().clone() for p in module.parameters()]
 
 
@@ -60,6 +62,8 @@ def clip_world(world):
     # The NaN on rank 1's side of every shard split (the last parameter) and on rank 0's (the first)
     for stage in (1, 2):
         out[("nan", stage)] = [_clipped(world, stage, math.inf, poison=(p, 0))[0] for p in (0, 3)]
+    for stage in (0, 1, 2):  # bf16 gradients: the norm in bf16, as torch's returns it
+        out[("bf16", stage)] = _clipped(world, stage, 2.0, dtype=torch.bfloat16, typed=True)
     try:
         _clipped(world, 1, 0)
         out["zero"] = "no error"
@@ -71,7 +75,7 @@ def clip_world(world):
 def test_clip_grad_norm_over_shards_matches_torch_for_every_norm_and_a_nan():
     for got in run_world(clip_world, 2, deadline_s=120):
         for key, value in got.items():
-            if isinstance(key, tuple) and key[0] != "nan":
+            if isinstance(key, tuple) and key[0] not in ("nan", "bf16"):
                 torch_norm, sharded_norm, param_error = value
                 assert math.isclose(torch_norm, sharded_norm, rel_tol=1e-6), (key, value)  # the sum's order
                 assert param_error <= 1e-7, (key, value)
@@ -79,6 +83,10 @@ def test_clip_grad_norm_over_shards_matches_torch_for_every_norm_and_a_nan():
         assert all(math.isnan(n) for stage in (1, 2) for n in got[("nan", stage)]), got
         assert got[(-math.inf, 1)][0] < got[(math.inf, 1)][0]  # the smallest |element|, not the largest
         assert "norm_type other than 0" in got["zero"], got["zero"]
+        # The pieces' norms are taken in float32 (torch rounds each whole tensor's to bf16): equal here, where
+        # the one rounding of the total hides the difference, and of torch's dtype
+        assert got[("bf16", 1)] == got[("bf16", 2)] == got[("bf16", 0)], got
+        assert got[("bf16", 0)][0] == "torch.bfloat16"
 
 
 def test_state_dict_after_add_param_group_covers_the_new_group():

@@ -12,9 +12,12 @@ Each rank's optimizer keeps state only for its 1/N of the elements. Where torch'
 parameters (one large embedding leaves the shards unequal), the shards here are balanced to the element: flat
 slices of the parameters, per param group and dtype (ddpkit.zero_partition). An elementwise optimizer (SGD,
 Adam, AdamW, ...) stepping a slice computes exactly what it computes for those elements of the whole tensor, so
-the parameters are bitwise those of the unsharded optimizer given the same gradients; optimizers that need a
+the parameters are bitwise those of the unsharded optimizer given the same gradients (float32, float64; in
+bf16 and fp16 on the CPU a few elements near a slice's end may differ in the last bit, torch's vectorized kernels
+rounding a tensor's scalar tail differently from its body, and a slice having a tail of its own), and so, after
+the all-gather, every replica is identical, bit for bit, in every dtype. Optimizers that need a
 tensor's shape (Adafactor, or any class not known to be elementwise) get whole parameters instead, balanced
-greedily. After the local step the updated slices are all-gathered, so every replica is identical, bit for bit.
+greedily.
 
 state_dict() after consolidate_state_dict(to) is torch's plain format (whole tensors, parameters numbered in
 param-group order), the same as the unsharded optimizer's: load_state_dict takes either, on any world size.

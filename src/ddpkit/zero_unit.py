@@ -226,12 +226,15 @@ def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: floa
         raise ValueError("clip_grad_norm_ over shards takes a norm_type other than 0 (torch's 0-norm counts the "
                          "parameters whose gradient is not all zero, which no rank's shard can tell)")
     grads = [g for unit in units for g in unit.grads()]
-    # float64 gradients keep their precision; the same dtype on every rank (the units are), for the collective.
-    wide = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.float32)
+    # The pieces' norms in float32 at least (a bf16 norm of each piece would round where torch's rounds each whole
+    # tensor's), float64 kept; the same dtype on every rank (the units are), for the collective. The total comes
+    # back in torch's dtype (the gradients' own, promoted: bf16 for bf16 gradients), and clips as torch's does.
+    exact = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.bfloat16)
+    wide = torch.promote_types(exact, torch.float32)
     device = units[0].params[0].device if units else torch.device("cpu")
     extreme = torch.amax if norm_type > 0 else torch.amin  # the inf-norms: the largest or smallest |element|
     if grads:
-        norms = torch.stack([n.to(wide) for n in torch._foreach_norm(grads, norm_type)])
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=wide))
         local = extreme(norms) if math.isinf(norm_type) else norms.pow(norm_type).sum()
     else:
         local = torch.zeros((), dtype=wide, device=device)
@@ -245,6 +248,7 @@ def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: floa
         total = local.reshape(1).clone()
         comm.all_reduce(total, "zero grad norm", op=dist.ReduceOp.SUM)
         total = total[0].pow(1.0 / norm_type)
+    total = total.to(exact if units else torch.float32)
     # torch's formula: scale by max_norm / (norm + 1e-6), never up.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
