@@ -94,16 +94,21 @@ def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3, loggin
                  save_strategy="steps", save_steps=save_steps, lr_scheduler_type="cosine", warmup_steps=2,
                  logging_steps=logging_steps)
     trainer = Recorder(model, args, classification_data(n))
-    trainer.train(resume_from_checkpoint=resume)
+    train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
     logs = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in trainer.state.log_history
             if "loss" in e]
-    return logs, params_of(model), trainer.seen
+    return logs, params_of(model), trainer.seen, train_loss
+
+
+def _mean_loss(logs):
+    """The mean of logged step losses (logging_steps=1), added in step order as the Trainer adds them."""
+    return sum(loss for _, loss, _, _ in logs) / len(logs)
 
 
 def test_a_checkpoint_renamed_by_hand_resumes_when_named(tmp_path, local_world):
     full = _resumable_run(str(tmp_path / "full"), max_steps=6)
     os.rename(tmp_path / "full" / "checkpoint-3", tmp_path / "best_run")  # mv out/checkpoint-3 best_run
-    logs, params, seen = _resumable_run(str(tmp_path / "again"), resume=str(tmp_path / "best_run"), max_steps=6)
+    logs, params, seen, _ = _resumable_run(str(tmp_path / "again"), resume=str(tmp_path / "best_run"), max_steps=6)
     assert min(step for step, _, _ in seen) == 4 and logs == full[0], "not resumed at step 3, or not bitwise"
     assert all(np.array_equal(a, b) for a, b in zip(params, full[1]))
 
@@ -130,36 +135,41 @@ def resume_same_world(world, out):
     sparse += [_resumable_run(f"{out}/sparse{k}", resume=f"{out}/sparse/checkpoint-{k}", logging_steps=4)
                for k in (3, 6)]
     # Resumed where max_steps ends: no step runs, and the save it makes must carry the data position on.
-    _resumable_run(f"{out}/done", resume=f"{out}/full/checkpoint-6", max_steps=6)
+    done = _resumable_run(f"{out}/done", resume=f"{out}/full/checkpoint-6", max_steps=6)
     positions = [(json.loads(open(f"{out}/{run}/checkpoint-6/sampler_state.json").read()),
                   json.loads(open(f"{out}/{run}/checkpoint-6/trainer_state.json").read())["epoch"])
                  for run in ("full", "done")]
-    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse, positions
+    return full, from3, from6, newest, sorted(os.listdir(f"{out}/full/checkpoint-3")), sparse, positions, done[3]
 
 
 def test_resume_with_the_same_world_size_is_bitwise(tmp_path):
     results = run_world(resume_same_world, 2, args=(str(tmp_path),), deadline_s=150)
-    for full, from3, from6, newest, files, sparse, positions in results:
+    for full, from3, from6, newest, files, sparse, positions, done_loss in results:
         assert positions[0] == positions[1] and positions[0][0]["consumed"] > 0, positions
         assert [entry[0] for entry in sparse[0][0]] == [4, 8]
         for resumed in sparse[1:]:
             assert resumed[0] == sparse[0][0], "a resumed run logged another loss than the uninterrupted one"
-        logs, params, _ = full
+            assert resumed[3] == sparse[0][3], "train_loss: the mean over the resumed steps only?"
+        logs, params, _, train_loss = full
         assert [entry[0] for entry in logs] == list(range(1, 9))
+        assert train_loss == _mean_loss(logs)
         for resumed in (from3, from6):
             assert resumed[0] == logs  # loss, grad norm and learning rate of every step, bit for bit
+            assert resumed[3] == train_loss, "train_loss: the mean over the resumed steps only?"
             for x, y in zip(resumed[1], params):
                 np.testing.assert_array_equal(x, y)
         assert newest[0][:8] == logs and [entry[0] for entry in newest[0][8:]] == [9, 10]
+        assert newest[3] == _mean_loss(newest[0])  # steps 1-8 from the checkpoint, 9 and 10 trained
+        assert done_loss == _mean_loss(logs[:6])  # no step trained: the checkpoint's 6
         assert {seen[0] for seen in newest[2]} == {9, 10}
         assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "sampler_state.json", "trainer_state.json",
                 "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
 
 
 def resume_across_worlds(world, out, resume, max_steps):
-    _, _, seen = _resumable_run(f"{out}/w{world.world_size}", resume=resume, max_steps=max_steps, n=24,
-                                save_steps=2)
-    return seen
+    logs, _, seen, train_loss = _resumable_run(f"{out}/w{world.world_size}", resume=resume, max_steps=max_steps,
+                                               n=24, save_steps=2)
+    return seen, logs, train_loss
 
 
 def _ids(seen, epoch, before=None, after=None):
@@ -177,14 +187,22 @@ def test_resume_with_another_world_size_skips_and_repeats_nothing(tmp_path):
         assert json.load(f)["epoch"] == 1  # checkpoint-4 is one step into epoch 1: 8 of its samples done
     with open(f"{out}/w1/checkpoint-10/sampler_state.json") as f:
         assert json.load(f)["epoch"] == 2  # 4 steps of 4 finish epoch 1, 2 more are 8 samples into epoch 2
-    seen_two = [entry for rank in two for entry in rank]
-    seen_again = [entry for rank in again for entry in rank]
+    # train_loss is the mean over the run's 12 steps, those trained on the other world size included: each run's
+    # log_history holds every step's loss, the checkpoint's steps with it.
+    for rank in (*two, one, *again):
+        logs, train_loss = rank[1], rank[2]
+        assert [entry[0] for entry in logs] == list(range(1, 13))
+        assert train_loss == pytest.approx(_mean_loss(logs), rel=1e-12), "train_loss of the resumed steps only?"
+    assert one[1][:4] == two[0][1][:4] and again[0][1][:10] == one[1][:10]
+    seen_two = [entry for rank in two for entry in rank[0]]
+    seen_again = [entry for rank in again for entry in rank[0]]
+    one = one[0]
     epoch1 = _ids(seen_two, 1, before=5) + _ids(one, 1)
     epoch2 = _ids(one, 2, before=11) + _ids(seen_again, 2)
     assert sorted(epoch1) == list(range(24)), "epoch 1 across 2 -> 1 ranks"
     assert sorted(epoch2) == list(range(24)), "epoch 2 across 1 -> 2 ranks"
     assert {step for step, _, _ in one} == set(range(5, 13))
-    assert {step for rank in again for step, _, _ in rank} == {11, 12}
+    assert {step for step, _, _ in seen_again} == {11, 12}
     assert len(_ids(seen_again, 2)) == 16 and not _ids(seen_again, 3)
 
 

@@ -26,7 +26,7 @@ from conftest import (
     trainer_args,
 )
 
-from ddpkit.trainer import Trainer
+from ddpkit.trainer import Trainer, TrainerCallback
 
 # -- models and data ---------------------------------------------------------------------------------------------
 
@@ -352,3 +352,28 @@ def test_logs_and_evaluation_metrics_carry_the_epoch_as_in_transformers(tmp_path
     trainer.train()
     assert Logs.seen[1:] == [{k: v for k, v in e.items() if k != "step"} for e in trainer.state.log_history]
     assert trainer.evaluate()["epoch"] == 1.0 and "epoch" in Logs.seen[1]
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def test_train_loss_counts_the_last_step_when_a_callback_stops_between_two_logs(tmp_path, local_world):
+    """Stopped by a callback after step 3, not a logging step: its loss, summed by no log and no save, is still in
+    train_loss (Transformers adds its tr_loss left over at the end too)."""
+    def run(name, logging_steps):
+        torch.manual_seed(0)
+        trainer = Trainer(Classifier().double(), trainer_args(tmp_path / name, max_steps=10,
+                                                              logging_steps=logging_steps),
+                          classification_data(40), callbacks=[StopAfter(3)])
+        out = trainer.train()
+        assert out.global_step == 3
+        return out.training_loss, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    every_step, losses = run("every", 1)
+    assert len(losses) == 3 and every_step == sum(losses) / 3
+    assert run("sparse", 5) == (every_step, [])

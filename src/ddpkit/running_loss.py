@@ -1,12 +1,19 @@
-"""The training loss as logged: the mean of the global step losses since the last log, added in step order.
+"""The training loss as logged: the mean of the global step losses since the last log, added in step order, and
+the run's train_loss: the mean of every step's, from the run's first step on, also across resumes.
 
 After each step every rank holds its share of that step's mean loss; their sum over the ranks is the step's global
 loss. Summing costs an all-reduce, so a step's share rides on the next step's window agreement
-(`window.agree_on_window`), and only a log or a checkpoint right after a step sums it in an all-reduce of its own.
-The global losses since the last log are then added one float64 at a time, in step order. A checkpoint stores that
-partial sum and its step count (trainer_state.json: loss_since_last_log, steps_since_last_log), so a resumed run
-adds the same numbers in the same order as the uninterrupted run: its logged curve is the same, bit for bit, also
-when the checkpoint fell between two logs.
+(`window.agree_on_window`), and only a log, a checkpoint or the end of train() right after a step sums it in an
+all-reduce of its own. The global losses are then added one float64 at a time, in step order, into two sums: the
+one since the last log and the whole run's. A checkpoint stores both with their step counts (trainer_state.json:
+loss_since_last_log, steps_since_last_log, train_loss_sum, train_loss_steps), so a resumed run adds the same
+numbers in the same order as the uninterrupted run: its logged curve and its train_loss are the same, bit for bit,
+also when the checkpoint fell between two logs (on another world size a step's global loss is summed over other
+ranks, so the same to rounding).
+
+Transformers' Trainer keeps no loss in its checkpoints: a resumed call's train_loss there is the resumed steps'
+loss sum divided by global_step, which counts the steps before the checkpoint too (biased low). ddpkit's is the
+uninterrupted run's.
 
 Every rank settles the same steps at the same moments (the step plan and the log and save intervals are the same
 everywhere), so the all-reduces of `settle_now` match across ranks.
@@ -14,22 +21,35 @@ everywhere), so the all-reduces of `settle_now` match across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from .comm import Comm
 from .env import DistEnv
+from .state import TrainerState
 from .window import sum_loss
 
 
 class RunningLoss:
-    """The losses of one train() call: the partial sum since the last log, and the whole call's for train_loss."""
+    """The run's step losses: the partial sum since the last log, and the whole run's for train_loss."""
 
-    def __init__(self, unlogged: float = 0.0, unlogged_steps: int = 0):
+    def __init__(self, unlogged: float = 0.0, unlogged_steps: int = 0, total: float = 0.0, steps: int = 0):
         self.unlogged = unlogged  # global step losses since the last log, added in step order
         self.unlogged_steps = unlogged_steps
-        self.total = 0.0  # every step of this call: train_loss is their mean
-        self.steps = 0
+        self.total = total  # every step of the run, a resumed checkpoint's included: train_loss is their mean
+        self.steps = steps
         self._pending: torch.Tensor | None = None  # this rank's share of the newest step, not yet summed
+
+    @classmethod
+    def resumed(cls, trainer_state: Mapping[str, Any]) -> RunningLoss:
+        """Going on from a checkpoint's trainer_state.json as if never interrupted. A checkpoint written before
+        ddpkit kept train_loss_sum knows nothing of its steps' losses: train_loss is then the mean over the steps
+        trained since (not, as in Transformers, their sum over every step); one from before loss_since_last_log
+        starts the next log's mean afresh."""
+        return cls(trainer_state.get("loss_since_last_log", 0.0), trainer_state.get("steps_since_last_log", 0),
+                   trainer_state.get("train_loss_sum", 0.0), trainer_state.get("train_loss_steps", 0))
 
     def step(self, share: torch.Tensor) -> None:
         """This rank's share of the step just taken (the previous one is settled by then: see settle)."""
@@ -52,13 +72,15 @@ class RunningLoss:
         self.steps += 1
 
     def settle_now(self, comm: Comm, world: DistEnv, what: str) -> None:
-        """Sum the newest step's shares in an all-reduce of their own (before a log or a checkpoint)."""
+        """Sum the newest step's shares in an all-reduce of their own (before a log, a checkpoint or the end)."""
         if self._pending is not None:
             self.settle(sum_loss(comm, world, self.carried(), what))
 
-    def unlogged_part(self) -> tuple[float, int]:
-        """(the sum of the global step losses since the last log, how many): what a checkpoint stores."""
-        return self.unlogged, self.unlogged_steps
+    def save_into(self, state: TrainerState) -> None:
+        """Write into `state` what its checkpoint must hold for a resume to add the same numbers (call settle_now
+        first: a share not yet summed would be lost)."""
+        state.loss_since_last_log, state.steps_since_last_log = self.unlogged, self.unlogged_steps
+        state.train_loss_sum, state.train_loss_steps = self.total, self.steps
 
     def take_log(self) -> float:
         """The mean global loss of the steps since the last log; the next period starts."""
@@ -66,8 +88,10 @@ class RunningLoss:
         self.unlogged, self.unlogged_steps = 0.0, 0
         return mean
 
-    def mean(self) -> float:
-        """The mean global loss of this call's settled steps (the Transformers train_loss)."""
+    def train_loss(self, comm: Comm, world: DistEnv) -> float:
+        """The mean global loss of the run's steps (the Transformers train_loss), the newest one included even when
+        no log or save summed it (a callback's stop); call it on every rank."""
+        self.settle_now(comm, world, "train_loss")
         return self.total / max(1, self.steps)
 
 

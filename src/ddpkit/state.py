@@ -57,6 +57,10 @@ class TrainerState:
     # so that a resumed run logs what the uninterrupted one logs.
     loss_since_last_log: float = 0.0
     steps_since_last_log: int = 0
+    # ddpkit's: the global step losses of every step since the run's first, summed in step order, and how many:
+    # train_loss is their quotient, also after a resume (see RunningLoss)
+    train_loss_sum: float = 0.0
+    train_loss_steps: int = 0
     # ddpkit's: what max_steps was planned from (plan.StepPlan), so that a resume asking for more epochs trains them
     plan_arguments: dict[str, Any] = dataclasses.field(default_factory=dict)
 

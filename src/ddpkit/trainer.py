@@ -238,13 +238,13 @@ class Trainer(EvaluationMixin):
                 if not self.saves.exists(self.state.global_step):
                     self._save_checkpoint(sampler)
                 self._finish_reports()
-                return TrainOutput(self.state.global_step, self._loss.mean(),
-                                   {**run.summary(self._loss.mean()), "stopped": 1.0})
+                train_loss = self._loss.train_loss(self.comm, self.world)
+                return TrainOutput(self.state.global_step, train_loss, {**run.summary(train_loss), "stopped": 1.0})
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
         resume.end_run(self.args.output_dir, self.world, choice, self.state.global_step)
         step.wait_for_params(self.optimizer)  # stage 2's last all-gathers must not land on the loaded weights
         self.saves.load_best(self.model, self.state)
-        metrics = run.summary(self._loss.mean())
+        metrics = run.summary(self._loss.train_loss(self.comm, self.world))
         self.log(metrics)
         self._finish_reports()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -261,8 +261,7 @@ class Trainer(EvaluationMixin):
             self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
         if self.args.restore_callback_states_from_checkpoint:
             self.callback_handler.restore_states(trainer_state.get("stateful_callbacks", {}))
-        self._loss = RunningLoss(trainer_state.get("loss_since_last_log", 0.0),  # as if never interrupted
-                                 trainer_state.get("steps_since_last_log", 0))
+        self._loss = RunningLoss.resumed(trainer_state)  # as if never interrupted, train_loss too
         return sampler_state
 
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
@@ -343,7 +342,7 @@ class Trainer(EvaluationMixin):
 
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
-        self.state.loss_since_last_log, self.state.steps_since_last_log = self._loss.unlogged_part()
+        self._loss.save_into(self.state)
         self.state.stateful_callbacks = self.callback_handler.export_states()
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer,
                                  scheduler=self.lr_scheduler, sampler_state=sampler.state_dict(),
