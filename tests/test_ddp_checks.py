@@ -226,11 +226,11 @@ def test_model_mismatch_fails_on_every_rank():
 
 def test_inputs_move_as_torchs_and_cuda_without_an_index_is_the_current_device(monkeypatch):
     """No GPU here: the meta device stands in for the input move, torch.cuda.current_device for the index."""
-    from ddpkit.ddp import _move_to
+    from ddpkit.ddp_io import move_to
     from ddpkit.ddp_checks import _cuda_index
 
     packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(1, 2)])
-    moved = _move_to({"x": packed, "n": 2, "t": torch.ones(2)}, torch.device("meta"))
+    moved = move_to({"x": packed, "n": 2, "t": torch.ones(2)}, torch.device("meta"))
     assert moved["x"].data.is_meta and moved["x"].batch_sizes.device.type == "cpu"  # torch's rule for it
     assert moved["t"].is_meta and moved["n"] == 2
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

@@ -122,9 +122,31 @@ def stage2_compiled(world, placement: str) -> dict:
     return out
 
 
+def dynamo_work(world) -> list[tuple[int, int]]:
+    """compile(DDP(model, find_unused_parameters=True)): Dynamo's graphs and graph breaks so far, after each step.
+    The wrapper's own frames run eagerly (its walk of the autograd graph, the window it arms), so that Dynamo
+    compiles the module's forward once; traced, they broke the graph and were traced again at every step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    ddp, run = _placed(Deep(layers=2), "compile(DDP(model))", bucket_cap_mb=1.0, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = []
+    for step in range(4):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * step + world.rank))
+        run(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    return seen
+
+
 def compiled_cases(world):
-    cases = {"stage 2 " + placement: stage2_compiled(world, placement)
-             for placement in ("DDP(compile(model))", "compile(DDP(model))")}
+    cases = {"dynamo work": dynamo_work(world)}
+    cases.update({"stage 2 " + placement: stage2_compiled(world, placement)
+             for placement in ("DDP(compile(model))", "compile(DDP(model))")})
     for placement in ("DDP(compile(model))", "compile(DDP(model))"):
         cases[placement] = train_compiled(world, placement, cap=1.0)
         # Below DDPOptimizer's 1 MiB first piece torch's own wrapper cannot compile; ddpkit hands Dynamo 1 MiB.
@@ -138,6 +160,8 @@ def compiled_cases(world):
 
 def test_buckets_launch_during_a_compiled_backward():
     a, b = run_world(compiled_cases, 2, deadline_s=400)
+    for rank, seen in enumerate((a.pop("dynamo work"), b.pop("dynamo work"))):
+        assert seen[0][0] == 1 and seen == seen[:1] * 4, f"rank {rank}: (graphs, graph breaks) after each step {seen}"
     for name in ("stage 2 DDP(compile(model))", "stage 2 compile(DDP(model))"):
         for rank, case in enumerate((a.pop(name), b.pop(name))):
             (compiled0, losses0), (compiled2, losses2) = case[0], case[2]

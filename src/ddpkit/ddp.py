@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ddp_checks as checks
 from .ddp_checks import ReplicaDivergenceError  # noqa: F401 - ddpkit.ddp.ReplicaDivergenceError, as before
 from .comm import Comm
+from .ddp_io import move_to, tensors_in
 from .ddp_surface import TorchSurface, install_refusals
 from .join import Join, refuse_stage_2, training_forward
 from .zero_grads import GradShards, check_zero_stage
@@ -172,7 +171,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     # -- the forward skeleton ------------------------------------------------------------------------------------
     # Dynamo does not trace the wrapper itself (its collectives and graph hooks are eager work, as in torch's,
-    # whose file Dynamo skips), only the frames it calls: torch.compile(ddp) compiles the wrapped module.
+    # whose file Dynamo skips): the skeleton's frames are skipped and its helpers run eagerly with all they call,
+    # so that torch.compile(ddp) compiles the wrapped module's call alone (tracing the helpers recompiled or
+    # re-traced them at every step: 200 ms a step with find_unused_parameters).
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         recorder = self.reducer.recorder if self.reducer is not None else NULL_RECORDER
@@ -196,16 +197,18 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         finally:
             TorchDDP._active_ddp_module = previous
 
+    @torch._disable_dynamo(recursive=False)
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # zero_stage=2: the parameters the last step gathered, each bucket waited for when first read.
         reads = self._grad_shards.forward_reads() if self._grad_shards is not None else contextlib.nullcontext()
         with self._inside_ddp_forward(), reads:
             return self.module(*inputs, **kwargs)
 
+    @torch._disable_dynamo
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
-            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+            inputs, kwargs = move_to(inputs, device), move_to(kwargs, device)
         if not torch.is_grad_enabled() or self.reducer is None:
             # torch's rule, grad or not: the forward after a synchronised one takes rank 0's buffers, so an
             # evaluation after training runs on the statistics every rank shares (to evaluate on one rank only,
@@ -221,6 +224,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._comm.broadcast_tensors(self._buffers_to_sync, src=0, what="module buffers")
         return inputs, kwargs
 
+    @torch._disable_dynamo
     def _post_forward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             self.require_forward_param_sync = False  # torch's: the next forward keeps its own buffers
@@ -230,7 +234,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         if self.reducer is None:
             return output
         sync = self.require_backward_grad_sync  # decided here, at forward time, as torch's wrapper does
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
         self._forward_sync = (sync, self.reducer.armed)  # for a backward no output below arms (_unarmed_sync)
         if not nodes:
@@ -360,35 +364,9 @@ class _SplitForDynamo:
     bucket_bytes_cap: int
 
 
-def _tensors_in(output: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors of a forward's output: pytree's, those in dataclass fields (as torch's wrapper finds) and, a
-    few levels down, in a plain object's attributes (torch's finds none there; armed, their backward passes
-    are told from one through the bare module)."""
-    found = []
-    for leaf in tree_flatten(output)[0]:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            for field in dataclasses.fields(leaf):
-                found += _tensors_in(getattr(leaf, field.name), depth)
-        elif depth < 2 and hasattr(leaf, "__dict__") and not isinstance(leaf, (type, nn.Module)):
-            found += _tensors_in(list(vars(leaf).values()), depth + 1)
-    return found
-
-
 def _arm_window(reducer: Reducer, sync: bool, grad_outputs: Any) -> None:
     """Pre-hook of the forward's output nodes: open the reducer's window for the backward that is starting."""
     reducer.arm(sync)
-
-
-def _move_to(obj: Any, device: torch.device) -> Any:
-    """The inputs on `device`; a PackedSequence moves as a whole (its batch_sizes stay on the CPU, as torch's)."""
-    def is_leaf(x: Any) -> bool:
-        return isinstance(x, PackedSequence)
-
-    flat, spec = tree_flatten(obj, is_leaf=is_leaf)
-    return tree_unflatten([t.to(device, non_blocking=True) if isinstance(t, (torch.Tensor, PackedSequence)) else t
-                           for t in flat], spec)
 
 
 def _default_group() -> dist.ProcessGroup | None:
