@@ -11,11 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 from ddpkit import cli, env, launch, timeline_cli, timeline_spec, timeline_summary
 from ddpkit.args import ArgumentError, TrainingArguments
+from ddpkit.timeline import Timeline, attach_timeline
 from ddpkit.timeline_clock import best_offset
 from ddpkit.timeline_trace import build_trace
 from spawn import run_world
@@ -105,9 +108,9 @@ def test_clock_offset_takes_the_fastest_round_trip():
         best_offset([])
 
 
-# -- the request: launcher, env, arguments -----------------------------------------------------------------------
+# -- the request (launcher, env, arguments, CLI), and files that cannot be written ----------------------------------
 
-def test_steps_and_the_environment_variable(tmp_path):
+def test_steps_and_the_environment_variable(tmp_path, monkeypatch):
     assert timeline_spec.parse_steps("3:8") == (3, 8)
     for bad in ("8:3", "0:2", "3", "a:b", "3:8:9"):
         with pytest.raises(ValueError, match="A:B"):
@@ -117,6 +120,11 @@ def test_steps_and_the_environment_variable(tmp_path):
     assert env.timeline_request({}) is None
     with pytest.raises(ValueError, match="does not exist"):
         timeline_spec.encode(str(tmp_path / "missing" / "t.json"), "1:2")
+    with pytest.raises(ValueError, match=r"--timeline .* is a folder, not a file; .*--timeline .*timeline.json\)"):
+        timeline_spec.encode(str(tmp_path), "1:2")  # it used to pass, and crash the run after the window
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # someone else's folder (the tests may run as root)
+    with pytest.raises(ValueError, match="may not write in"):
+        timeline_spec.encode(str(tmp_path / "t.json"), None)
     with pytest.raises(ValueError, match="not what ddpkit launch"):
         timeline_spec.decode("t.json")
     assert timeline_spec.summary_path("/x/t.json") == "/x/t.summary.json"
@@ -135,6 +143,8 @@ def test_launch_flag_hands_the_request_to_the_workers(tmp_path):
         launch.plan_launch(_launch_args("--timeline-steps", "2:4"), environ={})
     with pytest.raises(ValueError, match="A:B"):
         launch.plan_launch(_launch_args("--timeline", trace, "--timeline-steps", "4:2"), environ={})
+    with pytest.raises(ValueError, match="is a folder"):
+        launch.plan_launch(_launch_args("--timeline", str(tmp_path)), environ={})
 
 
 def test_training_argument(tmp_path):
@@ -142,6 +152,9 @@ def test_training_argument(tmp_path):
     for bad in ("8:3", "0:1", "x"):
         with pytest.raises(ArgumentError, match="ddp_timeline_steps"):
             TrainingArguments(output_dir=str(tmp_path), ddp_timeline_steps=bad)
+    (tmp_path / "timeline.json").mkdir()  # where the Trainer writes: refused on every rank, before any collective
+    with pytest.raises(ArgumentError, match="ddp_timeline_steps: .*timeline.json' is a folder.*output_dir"):
+        attach_timeline(argparse.Namespace(observers=[], active=True, rank=0, world_size=1), "3:8", str(tmp_path))
 
 
 def test_cli_reprints_the_summary_and_draws(tmp_path, capsys, monkeypatch):
@@ -157,6 +170,47 @@ def test_cli_reprints_the_summary_and_draws(tmp_path, capsys, monkeypatch):
     assert "pip install matplotlib" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
     assert timeline_cli.main(argparse.Namespace(file=str(tmp_path / "bad.json"), png=None, json=None)) == 2
+
+
+def test_a_trace_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
+    (tmp_path / "t.json").mkdir()  # became a folder after the launcher checked it
+    timeline, param = Timeline(0, 1, (1, 2), str(tmp_path / "t.json")), torch.nn.Parameter(torch.zeros(1))
+    param.grad, opt = torch.ones(1), torch.optim.SGD([param], lr=1.0)  # SGD keeps the gradient between steps
+    timeline.watch_optimizers()  # global hooks: step 2's flush removes them before it writes, so none can leak
+    with pytest.warns(RuntimeWarning, match="could not write .*t.json \\(Is a directory\\)") as warned:
+        for _ in range(4):
+            opt.step()
+    assert param.item() == -4.0 and len([w for w in warned if "timeline" in str(w.message)]) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no t.json.tmpPID left beside it
+
+
+@pytest.mark.parametrize("window, taken, says", [((1000, 1010), 23, "23, before step 1000: the window was never "
+                                                  "reached"), ((3, 8), 5, "5, before step 8: steps 3 to 5")])
+def test_a_run_that_ends_before_the_window_says_so(tmp_path, capsys, window, taken, says):
+    timeline = Timeline(0, 1, window, str(tmp_path / "t.json"))
+    for _ in range(taken):
+        timeline.step_done()
+    timeline.close()  # as destroy_process_group does, before step B
+    out = capsys.readouterr().out
+    assert f"optimizer steps {window[0]} to {window[1]};" in out and f"run ended after optimizer step {says}" in out
+
+
+def test_cli_outputs_are_checked_first_and_written_whole(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_hand_trace()))
+    for option, target in (("--json", tmp_path), ("--png", tmp_path / "missing" / "s.png")):
+        assert cli.main(["timeline", str(path), option, str(target)]) == 2
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith(f"ddpkit timeline: {option} ") and out == ""
+    monkeypatch.setattr(timeline_cli, "output_path_problem", lambda out: None)  # as if made after the check:
+    (tmp_path / "s.png").mkdir()  # the picture is drawn whole into a temporary, whose rename fails
+    assert cli.main(["timeline", str(path), "--png", str(tmp_path / "s.png")]) == 2
+    assert capsys.readouterr().err == f"ddpkit timeline: cannot write {tmp_path / 's.png'}: Is a directory\n"
+    (tmp_path / "s.json").write_text("old")
+    monkeypatch.setattr("ddpkit.timeline_trace.json.dump", mock.Mock(side_effect=OSError(28, "No space left")))
+    assert cli.main(["timeline", str(path), "--json", str(tmp_path / "s.json")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.png", "t.json"]  # no temporary left
+    assert (tmp_path / "s.json").read_text() == "old"
 
 
 # -- a real world: a hand-written loop, rank 1 sleeping in its backward -----------------------------------------------

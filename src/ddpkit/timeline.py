@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ import torch.distributed as dist
 from . import env, timeline_clock, timeline_summary, timeline_trace
 from .timeline_record import (CHECKPOINT, DATA_WAIT, EVALUATION, NULL_RECORDER, NullRecorder, optimizer_step,
                               profiled)
-from .timeline_spec import parse_steps, summary_path
+from .timeline_spec import output_path_problem, parse_steps, summary_path
+from .validation import ArgumentError
 
 COMPUTE, COMM = timeline_trace.COMPUTE, timeline_trace.COMM
 TRACE_FILE = "timeline.json"  # the Trainer's, in output_dir, when ddp_timeline_steps is set
@@ -196,15 +198,26 @@ class Timeline(NullRecorder):
             if self.rank != 0:
                 return
             payloads = timeline_trace.gather(self.store, self.prefix, self.world_size, self.gather_timeout_s)
-        self._write(payloads)
+        # Usually from inside an optimizer step (the hook that ended step B): a trace that cannot be written (a
+        # full disk, a folder that became read-only) costs the trace, never the training run. Once per timeline,
+        # as flush is.
+        try:
+            self._write(payloads)
+        except Exception as exc:
+            failed = exc.filename if isinstance(exc, OSError) and exc.filename else self.path
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+            warnings.warn(f"ddpkit timeline: could not write {failed} ({reason}); training goes on without the "
+                          "trace. Check the free space and the permissions of its folder, or record the timeline "
+                          "to another path", RuntimeWarning, stacklevel=2)
 
     def _write(self, payloads: dict[int, dict]) -> None:
-        steps = [self.first, self.step - 1 if self.last == math.inf else min(self.last, self.step - 1)]
-        trace = timeline_trace.build_trace(payloads, self.world_size, steps)
-        timeline_trace.write_json(self.path, trace)
+        taken = self.step - 1  # the last optimizer step completed: below B when the run ended first
+        asked = [self.first, taken if self.last == math.inf else self.last]
+        trace = timeline_trace.build_trace(payloads, self.world_size, asked, last_step=taken)
         self.summary = timeline_summary.summarize(trace)
-        timeline_trace.write_json(summary_path(self.path), self.summary)
         print(timeline_summary.format_summary(self.summary), flush=True)
+        timeline_trace.write_json(self.path, trace)
+        timeline_trace.write_json(summary_path(self.path), self.summary)
         print(f"[ddpkit] timeline: wrote {self.path} (open it in https://ui.perfetto.dev or chrome://tracing) "
               f"and {summary_path(self.path)}", flush=True)
 
@@ -231,7 +244,14 @@ def attach_timeline(comm: Any, steps: str | None, output_dir: str) -> NullRecord
     found = recorder_for(comm)
     if found is not NULL_RECORDER or steps is None or not comm.active:
         return found
-    return start_timeline(comm, parse_steps(steps), os.path.join(output_dir, TRACE_FILE))
+    path = os.path.join(output_dir, TRACE_FILE)
+    # Every rank checks, so that all of them refuse together instead of some waiting for the others' clocks.
+    problem = output_path_problem(path, make_folder=True)  # the Trainer creates output_dir
+    if problem is not None:
+        raise ArgumentError("ddp_timeline_steps", f"the timeline is written to output_dir/{TRACE_FILE}, and "
+                            f"{path!r} {problem}; choose an output_dir you can write in, without a folder named "
+                            f"{TRACE_FILE} in it")
+    return start_timeline(comm, parse_steps(steps), path)
 
 
 def start_timeline(comm: Any, steps: tuple[int, int], path: str) -> Timeline:

@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from .timeline_spec import output_path_problem
 from .timeline_summary import format_summary, summarize
+from .timeline_trace import replacing, write_json
 
 # (field, legend, colour): the parts a step's time is split into, bottom to top of each bar.
 PARTS = (("compute_ms", "compute", "#4c72b0"), ("exposed_comm_ms", "exposed communication", "#c44e52"),
@@ -33,26 +34,38 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from .timeline import load_trace
 
+    for option, out in (("--json", args.json), ("--png", args.png)):
+        problem = output_path_problem(out) if out else None
+        if problem is not None:  # before any work, as a mistyped path is found
+            return _fail(f"{option} {out!r} {problem}; pass the path of a file to write, in a folder that exists "
+                         "and that you can write in")
     try:
         trace = load_trace(args.file)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        print(f"ddpkit timeline: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(f"cannot read {args.file}: {exc}")
     summary = summarize(trace)
     print(format_summary(summary))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-    if args.png:
-        try:
-            import matplotlib
-        except ImportError:
-            print("ddpkit timeline: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 1
-        matplotlib.use("Agg")
-        draw(summary, args.png)
-        print(f"wrote {args.png}")
+    try:
+        if args.json:
+            write_json(args.json, summary, indent=1)
+        if args.png:
+            try:
+                import matplotlib
+            except ImportError:
+                print("ddpkit timeline: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
+                return 1
+            matplotlib.use("Agg")
+            draw(summary, args.png)
+            print(f"wrote {args.png}")
+    except OSError as exc:  # the folder went away or filled up since the check above
+        return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}")
     return 0
+
+
+def _fail(message: str) -> int:
+    """One line on stderr, and the exit status of a usage error."""
+    print(f"ddpkit timeline: {message}", file=sys.stderr)
+    return 2
 
 
 def draw(summary: dict[str, Any], path: str) -> None:
@@ -73,8 +86,11 @@ def draw(summary: dict[str, Any], path: str) -> None:
     fig.suptitle(f"ddpkit timeline: {len(summary['ranks'])} rank(s), steps {summary['steps_asked'][0]} to "
                  f"{summary['steps_asked'][1]}")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with replacing(path, "wb") as f:  # the temporary's name ends in .tmpPID: say the format
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _bars(ax, labels: list[str], rows: list[dict[str, float]], xlabel: str) -> None:

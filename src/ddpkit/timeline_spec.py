@@ -30,12 +30,39 @@ def parse_steps(text: str) -> tuple[int, int]:
     return steps
 
 
+def output_path_problem(path: str, make_folder: bool = False) -> str | None:
+    """Why a file (a trace, a summary, a picture) cannot be written to `path`, worded to follow the path ("'x' is a
+    folder"), or None when it can.
+
+    The trace is written only after the window, from inside an optimizer step, so its path is checked before any
+    training starts: it must name a file, not a folder, whose folder exists (or, with `make_folder`, can be created
+    under the nearest one that does) and lets this process create files (the write is a temporary file renamed).
+    """
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return "is a folder, not a file"
+    if os.path.lexists(full) and not os.path.isfile(full):
+        return "exists and is not a regular file"
+    folder = existing = os.path.dirname(full)
+    while make_folder and not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.lexists(existing):
+        return f"is in a folder that does not exist ({folder})"
+    if not os.path.isdir(existing):
+        return f"is under {existing}, which is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"is in a folder this process may not write in ({existing})"
+    return None
+
+
 def encode(path: str, steps: str | None) -> str:
     """The value of DDPKIT_TIMELINE for a trace written to `path` (made absolute: workers may change folder)."""
     parse_steps(steps or DEFAULT_STEPS)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"the folder of the timeline file {path!r} does not exist ({folder}); create it first")
+    problem = output_path_problem(path)
+    if problem is not None:
+        example = os.path.join(path, "timeline.json") if os.path.isdir(path) else "timeline.json"
+        raise ValueError(f"--timeline {path!r} {problem}; pass the path of the JSON file to write, in a folder "
+                         f"that exists and that you can write in (e.g. --timeline {example})")
     return json.dumps({"file": os.path.abspath(path), "steps": steps or DEFAULT_STEPS})
 
 

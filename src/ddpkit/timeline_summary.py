@@ -162,7 +162,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         steps.append({"step": k, "per_rank": per_rank, "mean": _mean(list(per_rank.values()))})
     total_per_rank = {rank: _total(rows) for rank, rows in totals.items()}
     return {"ranks": meta["ranks"], "missing_ranks": meta.get("missing_ranks", []), "steps_asked": meta["steps"],
-            "clock_error_ms": meta.get("clock_error_ms", 0.0), "steps": steps,
+            "last_step": meta.get("last_step"), "clock_error_ms": meta.get("clock_error_ms", 0.0), "steps": steps,
             "total": {"per_rank": total_per_rank,
                       "mean": _mean(list(total_per_rank.values())) if total_per_rank else None},
             "buckets": stragglers(ranks)}
@@ -185,11 +185,25 @@ def _line(label: str, row: dict[str, float]) -> str:
             f"{row['data_wait_ms']:>9.2f} {row['untracked_ms']:>9.2f} {_size(row['bytes_sent']):>9}")
 
 
+def _ended_early(summary: dict[str, Any]) -> str | None:
+    """Whether the run stopped before the window's last step (a trace from before `last_step` was kept: None)."""
+    first, last = summary["steps_asked"]
+    taken = summary.get("last_step")
+    if taken is None or taken >= last:
+        return None
+    if taken < first:
+        return f"the run ended after optimizer step {taken}, before step {first}: the window was never reached"
+    return f"the run ended after optimizer step {taken}, before step {last}: steps {first} to {taken} were recorded"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as printed at the end of a recording and by `ddpkit timeline FILE`."""
     ranks = summary["ranks"]
     lines = [f"ddpkit timeline: {len(ranks)} rank(s), optimizer steps {summary['steps_asked'][0]} to "
              f"{summary['steps_asked'][1]}; clocks aligned to rank 0 within {summary['clock_error_ms']:.3f} ms"]
+    ended = _ended_early(summary)
+    if ended:
+        lines.append(ended)
     if summary["missing_ranks"]:
         lines.append(f"missing: ranks {summary['missing_ranks']} posted no events (ended early or died)")
     if not summary["steps"]:

@@ -4,17 +4,19 @@ One process per rank ("rank 0", "rank 1", ...), each with two tracks: compute (t
 nested inside them) and communication (each collective from when it was issued to when it finished). A backend
 may run two collectives at once (gloo has two threads per group): a second one that starts before the first ends
 goes on a lane of its own ("communication 2"), because a track's slices must nest. Times are microseconds on
-rank 0's clock from the earliest event. otherData.ddpkit holds the ranks, the steps and the clock alignment with
-its error.
+rank 0's clock from the earliest event. otherData.ddpkit holds the ranks, the steps asked for (A, B), the last
+step the run completed (below A or B when it ended first) and the clock alignment with its error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 COMPUTE, COMM = 0, 1  # track (thread) ids
 TRACK_NAMES = {COMPUTE: "compute", COMM: "communication"}
@@ -39,8 +41,10 @@ def gather(store: Any, prefix: str, world_size: int, timeout_s: float) -> dict[i
         time.sleep(0.02)
 
 
-def build_trace(payloads: dict[int, dict[str, Any]], world_size: int, steps: list[int]) -> dict[str, Any]:
-    """The Chrome trace (JSON object format) of every rank's events (`Timeline.payload`, on rank 0's clock)."""
+def build_trace(payloads: dict[int, dict[str, Any]], world_size: int, steps: list[int],
+                last_step: int | None = None) -> dict[str, Any]:
+    """The Chrome trace (JSON object format) of every rank's events (`Timeline.payload`, on rank 0's clock);
+    `steps` = [A, B] as asked, `last_step` the last optimizer step the run completed (None: not known)."""
     starts = [e[4] for p in payloads.values() for e in p["events"]]
     origin = min(starts) if starts else 0.0
     events: list[dict[str, Any]] = []
@@ -51,7 +55,7 @@ def build_trace(payloads: dict[int, dict[str, Any]], world_size: int, steps: lis
     clock = {str(rank): {"offset_ms": 1e3 * p["clock_offset_s"], "error_ms": 1e3 * p["clock_error_s"]}
              for rank, p in sorted(payloads.items())}
     meta = {"ranks": sorted(payloads), "world_size": world_size,
-            "missing_ranks": sorted(set(range(world_size)) - set(payloads)), "steps": steps,
+            "missing_ranks": sorted(set(range(world_size)) - set(payloads)), "steps": steps, "last_step": last_step,
             "clock": clock, "clock_error_ms": max((c["error_ms"] for c in clock.values()), default=0.0),
             "clock_note": "each rank's offset to rank 0 from the fastest of a few store round trips; the error is "
                           "half that round trip, a bound on how far two ranks' times may be misaligned",
@@ -92,9 +96,25 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
-def write_json(path: str, value: Any) -> None:
-    """Write whole or not at all: a reader never sees half a trace."""
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file to write `path` through, whole or not at all: a temporary beside it (same folder, so the rename
+    stays on one file system) that replaces `path` once closed. When the writing or the rename fails (a folder
+    at `path`, a full disk) the temporary is removed and the error propagates, naming `path`. A reader never
+    sees half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, path) from exc  # the same subclass, for the file asked for
+        raise
+
+
+def write_json(path: str, value: Any, indent: int | None = None) -> None:
+    with replacing(path) as f:
+        json.dump(value, f, indent=indent)
