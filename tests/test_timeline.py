@@ -11,12 +11,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
-from ddpkit import cli, env, launch, timeline_cli, timeline_spec, timeline_summary
+from ddpkit import cli, env, launch, timeline_spec, timeline_summary
 from ddpkit.args import ArgumentError, TrainingArguments
 from ddpkit.timeline import Timeline, attach_timeline
 from ddpkit.timeline_clock import best_offset
@@ -157,21 +156,6 @@ def test_training_argument(tmp_path):
         attach_timeline(argparse.Namespace(observers=[], active=True, rank=0, world_size=1), "3:8", str(tmp_path))
 
 
-def test_cli_reprints_the_summary_and_draws(tmp_path, capsys, monkeypatch):
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(_hand_trace()))
-    assert cli.main(["timeline", str(path), "--png", str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json")]) == 0
-    out = capsys.readouterr().out
-    assert "bucket 0: rank 1 last" in out
-    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((tmp_path / "s.json").read_text())["buckets"][0]["last_rank"] == 1
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert cli.main(["timeline", str(path), "--png", str(tmp_path / "t.png")]) == 1
-    assert "pip install matplotlib" in capsys.readouterr().err
-    (tmp_path / "bad.json").write_text("{}")
-    assert timeline_cli.main(argparse.Namespace(file=str(tmp_path / "bad.json"), png=None, json=None)) == 2
-
-
 def test_a_trace_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
     (tmp_path / "t.json").mkdir()  # became a folder after the launcher checked it
     timeline, param = Timeline(0, 1, (1, 2), str(tmp_path / "t.json")), torch.nn.Parameter(torch.zeros(1))
@@ -193,24 +177,6 @@ def test_a_run_that_ends_before_the_window_says_so(tmp_path, capsys, window, tak
     timeline.close()  # as destroy_process_group does, before step B
     out = capsys.readouterr().out
     assert f"optimizer steps {window[0]} to {window[1]};" in out and f"run ended after optimizer step {says}" in out
-
-
-def test_cli_outputs_are_checked_first_and_written_whole(tmp_path, capsys, monkeypatch):
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(_hand_trace()))
-    for option, target in (("--json", tmp_path), ("--png", tmp_path / "missing" / "s.png")):
-        assert cli.main(["timeline", str(path), option, str(target)]) == 2
-        out, err = capsys.readouterr()
-        assert err.count("\n") == 1 and err.startswith(f"ddpkit timeline: {option} ") and out == ""
-    monkeypatch.setattr(timeline_cli, "output_path_problem", lambda out: None)  # as if made after the check:
-    (tmp_path / "s.png").mkdir()  # the picture is drawn whole into a temporary, whose rename fails
-    assert cli.main(["timeline", str(path), "--png", str(tmp_path / "s.png")]) == 2
-    assert capsys.readouterr().err == f"ddpkit timeline: cannot write {tmp_path / 's.png'}: Is a directory\n"
-    (tmp_path / "s.json").write_text("old")
-    monkeypatch.setattr("ddpkit.timeline_trace.json.dump", mock.Mock(side_effect=OSError(28, "No space left")))
-    assert cli.main(["timeline", str(path), "--json", str(tmp_path / "s.json")]) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.png", "t.json"]  # no temporary left
-    assert (tmp_path / "s.json").read_text() == "old"
 
 
 # -- a real world: a hand-written loop, rank 1 sleeping in its backward -----------------------------------------------

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -34,8 +35,13 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from .timeline import load_trace
 
-    for option, out in (("--json", args.json), ("--png", args.png)):
-        problem = output_path_problem(out) if out else None
+    outputs = [(option, out) for option, out in (("--json", args.json), ("--png", args.png)) if out]
+    for option, out in outputs:
+        clash = [name for name, other in [("the trace", args.file), *outputs] if name != option and
+                 os.path.abspath(other) == os.path.abspath(out)]
+        if clash:  # the summary would replace the trace, or one output the other
+            return _fail(f"{option} {out!r} names the same file as {clash[0]}; write each to a file of its own")
+        problem = output_path_problem(out)
         if problem is not None:  # before any work, as a mistyped path is found
             return _fail(f"{option} {out!r} {problem}; pass the path of a file to write, in a folder that exists "
                          "and that you can write in")
