@@ -5,8 +5,15 @@ No timing is asserted anywhere: the machine is shared and noisy, and the benchma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -53,11 +60,41 @@ def test_world_sizes():
     assert bench.BenchConfig(world_size=1).world_sizes == [1]
 
 
-def test_bad_option_exits_with_usage(capsys):
+# Each case: the options, the one out of range, and the range the error must state. The tiny rest keeps a
+# regression (an option accepted after all) from starting a full-size run.
+OUT_OF_RANGE = [(["--zero", "--repeats", "0"], "--repeats", "an integer >= 1"),
+                (["--zero", "--steps", "0"], "--steps", "an integer >= 1"),
+                (["--zero", "--world-size", "0"], "--world-size", "an integer >= 1"),
+                (["--zero", "--world-size", "-2"], "--world-size", "an integer >= 1"),
+                (["--zero", "--repeats", "-1"], "--repeats", "an integer >= 1"),
+                (["--zero", "--warmup", "-1"], "--warmup", "an integer >= 0"),
+                (["--zero", "--timeout", "0"], "--timeout", "a finite number > 0"),
+                (["--steps", "0"], "--steps", "an integer >= 1"),
+                (["--repeats", "-3"], "--repeats", "an integer >= 1"),
+                (["--world-size", "0"], "--world-size", "an integer >= 1"),
+                (["--warmup", "-1"], "--warmup", "an integer >= 0"),
+                (["--threads", "0"], "--threads", "an integer >= 1"),
+                (["--bucket-cap-mb", "0"], "--bucket-cap-mb", "a finite number > 0"),
+                (["--timeout", "nan"], "--timeout", "a finite number > 0"),
+                (["--world-size", "two"], "--world-size", "an integer >= 1")]
+
+
+@pytest.mark.parametrize("argv, option, allowed", OUT_OF_RANGE, ids=[" ".join(c[0]) for c in OUT_OF_RANGE])
+def test_out_of_range_option_exits_with_usage(argv, option, allowed, capsys):
+    tiny = ["--models", "mlp", "--steps", "1", "--warmup", "0", "--repeats", "1", "--world-size", "1"]
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--steps", "0"])
+        bench.main(tiny + argv)  # the last of a repeated option wins
     assert exc.value.code == 2
-    assert "steps must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and f"error: argument {option}: must be {allowed}, got " in err, err
+
+
+def test_zero_run_rejects_nonsense_before_starting_ranks():
+    from ddpkit import bench_zero
+
+    for bad in ({"steps": 0}, {"repeats": 0}, {"world_size": 0}, {"warmup": -1}):
+        with pytest.raises(ValueError, match="must be >= "):
+            bench_zero.run(["mlp"], **bad)
 
 
 def test_smoke_two_ranks_and_one(tmp_path, capsys):
@@ -98,12 +135,14 @@ def test_smoke_inspector_and_timeline_on_against_off(tmp_path, capsys):
     assert "stall inspector on vs off" in out and "timeline on vs off" in out
 
 
-def test_deadline_stops_every_rank(capsys):
+@pytest.mark.parametrize("argv", [["--no-single", "--quiet"], ["--zero"]], ids=["plain", "zero"])
+def test_deadline_stops_every_rank(argv, capsys):
     import multiprocessing
 
-    code = bench.main(["--world-size", "2", "--models", "many-small", "--no-single", "--timeout", "0.5", "--quiet"])
+    code = bench.main(["--world-size", "2", "--models", "many-small", "--timeout", "0.5", *argv])
     assert code == 1
-    assert "deadline" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "deadline" in err and "raise it with --timeout" in err and "Traceback" not in err, err
     assert multiprocessing.active_children() == []
 
 
@@ -114,6 +153,29 @@ def test_cli_hands_bench_its_arguments(capsys):
         cli.main(["bench", "--help"])
     assert exit_info.value.code == 0
     assert "usage: ddpkit bench" in capsys.readouterr().out
+
+
+def test_help_describes_zero(capsys):
+    """`ddpkit bench --help` says what --zero compares, with which optimizer, and what its table holds;
+    `ddpkit bench --zero --help` (or argparse's abbreviation --ze) lists every variant and its own options."""
+    from ddpkit import bench_zero, cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help to the terminal's width
+    for words in ("--zero", "AdamW", "ddpkit's ZeroRedundancyOptimizer (stage 1)", "DDP(zero_stage=2) (stage 2)",
+                  "torch's ZeroRedundancyOptimizer", "FSDP2", "one row per model and variant",
+                  "median step time (ms), its ratio to torch's DDP [min-max over rounds]",
+                  "optimizer-state, gradient and peak tensor memory", "ddpkit bench --zero --help"):
+        assert words in out, words
+    for argv in (["--zero", "--help"], ["--ze", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", *argv])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: ddpkit bench --zero") and "--timeout" in out and "--threads" not in out
+        assert all(f"\n    {variant} " in out for variant in bench_zero.VARIANTS), out
 
 
 def test_smoke_compiled_variants(tmp_path):
@@ -155,3 +217,104 @@ def test_bench_memory_figures_count_what_they_say():
     assert grad_bytes(layer) == 80
     layer.bias.grad = torch.zeros(4)
     assert grad_bytes(layer) == 96
+
+
+# -- a signal to the running bench: it and every rank end, the ranks' ports are free (Linux: reads /proc) ----------
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and _stat(int(entry))[1] == str(pid):
+                found.append(int(entry))
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    """(state, ppid, ...) of /proc/PID/stat, after the command name (which may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+def _is_rank(pid: int) -> bool:  # multiprocessing's spawned children, not its resource tracker
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return b"spawn_main" in fh.read()
+    return False
+
+
+def _listening_ports(pids: list[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").rstrip("]"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for fields in (line.split() for line in fh.readlines()[1:]):
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not holding the port
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks and their ports in /proc")
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("zero", [True, False], ids=["zero", "plain"])
+def test_signal_ends_bench_and_every_rank(tmp_path, zero, how):
+    """SIGTERM to the bench (a scheduler, `kill`), or Ctrl-C to its terminal's process group, ends it within
+    seconds with one line and exit code 130, and ends every rank: none survives and no port stays held."""
+    src = os.path.dirname(os.path.dirname(bench.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "ddpkit.bench", *(["--zero"] if zero else ["--no-single"]), "--models", "mlp",
+            "--steps", "1", "--warmup", "0", "--repeats", "100000"]  # ends by the signal (or its default deadline)
+    err_path = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline, ports = time.monotonic() + 120, set()
+        while len(ranks) < 2 or not ports:  # both ranks started, rank 0's store listening: the world is up
+            assert proc.poll() is None, f"the bench ended before the signal:\n{err_path.read_text()}"
+            assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+            time.sleep(0.2)
+            ranks = [pid for pid in _children(proc.pid) if _is_rank(pid)]
+            ports = _listening_ports(ranks)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the ranks get it too
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        time.sleep(0.5)  # an orphaned rank would still be running now; a stopped one was joined by the bench
+        survivors, held = [pid for pid in ranks if _alive(pid)], [p for p in ports if not _port_is_free(p)]
+        text = err_path.read_text()
+        assert (code, survivors, held) == (130, [], []), f"exit code, live ranks, held ports; stderr:\n{text}"
+        assert text.strip().endswith("interrupted; every rank was stopped") and "Traceback" not in text, text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the bench's session: the bench, its ranks, its resource tracker
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)

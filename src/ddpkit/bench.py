@@ -5,6 +5,7 @@
     python -m ddpkit.bench --world-size 4 --threads 1 --json bench.json
     ddpkit bench --world-size 2                              # the same through the CLI
     ddpkit bench --compile --models mlp transformer          # every variant under torch.compile (inductor)
+    ddpkit bench --zero                                      # ZeRO stages vs torch's DDP, ZeRO and FSDP2: bench_zero
 
 Each world is a fresh set of CPU processes joined over gloo on loopback. On every rank, each model is built
 three times from the same seed: wrapped in ddpkit's DDP, wrapped in torch's DDP, and bare (no wrapper, no
@@ -21,7 +22,7 @@ With --compile every variant is torch.compile'd (the wrapper, not the module ins
 Dynamo's DDPOptimizer split the graph at their bucket boundaries.
 
 The parts: bench_workloads (the models), bench_rank (one rank's measuring), bench_report (the summary);
-this module holds the configuration, the parent that runs each world, and the command line.
+this module holds the configuration, the parent that runs each world (bench_zero's too), and the command line.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -94,8 +96,7 @@ class BenchConfig:
         return [self.world_size] + ([1] if self.single and self.world_size != 1 else [])
 
 
-# -- one rank: build, warm up, time interleaved rounds ---------------------------------------------------------------
-# -- the parent: spawn one world, collect rank 0's numbers, never leave a process behind -------------------------
+# -- the parent: spawn one world, collect the ranks' numbers, never leave a process behind (bench_zero's too) -----
 class BenchError(RuntimeError):
     """A rank failed, died or missed the deadline; every rank of that world has been stopped."""
 
@@ -103,39 +104,26 @@ class BenchError(RuntimeError):
 def run_world(world_size: int, cfg: BenchConfig, deadline: float,
               progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Rank 0's measurements for every model in a fresh world of `world_size` ranks (deadline: time.monotonic)."""
+    hint = f"{cfg.timeout_s:.0f} s for the whole run; raise it with --timeout"
+    return run_ranks(rank_main, world_size, (cfg,), deadline, hint, progress)[0]
+
+
+def run_ranks(target: Callable[..., None], world_size: int, args: tuple, deadline: float, hint: str,
+              progress: Callable[[str], None] = lambda line: None) -> dict[int, Any]:
+    """Every rank's payload, by rank, from a fresh world of `world_size` spawned processes, each running
+    target(rank, world_size, port, *args, results). A rank puts ("progress", rank, line), ("error", rank, text)
+    or, once, ("ok", rank, payload) on `results`. Whatever ends the call (the last payload, a rank's error or death,
+    the deadline, or Ctrl-C or SIGTERM as KeyboardInterrupt), no rank outlives it. `hint`: what the deadline was."""
     ctx = mp.get_context("spawn")  # fresh interpreters: no thread pools or locks inherited from the caller
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, world_size, port, cfg, results), daemon=True,
+    procs = [ctx.Process(target=target, args=(rank, world_size, port, *args, results), daemon=True,
                          name=f"ddpkit-bench-rank{rank}") for rank in range(world_size)]
     done: dict[int, Any] = {}
     try:
         for proc in procs:
             proc.start()
-        while len(done) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world_size)) - set(done))
-                raise BenchError(f"world of {world_size}: ranks {missing} had not finished at the deadline "
-                                 f"({cfg.timeout_s:.0f} s for the whole run; raise it with --timeout)")
-            try:
-                kind, rank, payload = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(procs) if r not in done and p.exitcode is not None}
-                if dead:
-                    try:  # its last message may still be in the pipe
-                        kind, rank, payload = results.get(timeout=1.0)
-                    except queue.Empty:
-                        raise BenchError(f"world of {world_size}: ranks died without a word (exit codes {dead})") \
-                            from None
-                else:
-                    continue
-            if kind == "progress":
-                progress(payload)
-            elif kind == "error":
-                raise BenchError(f"world of {world_size}: rank {rank} failed:\n{payload}")
-            else:
-                done[rank] = payload
+        _collect(procs, results, done, deadline, hint, progress)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -145,10 +133,36 @@ def run_world(world_size: int, cfg: BenchConfig, deadline: float,
                 proc.join(timeout=5)
         results.close()
         results.cancel_join_thread()  # nobody is left to read; never block on a full pipe
-    return done[0]
+    return done
 
 
-# -- the summary: pure ---------------------------------------------------------------------------------------------
+def _collect(procs: list, results, done: dict[int, Any], deadline: float, hint: str,
+             progress: Callable[[str], None]) -> None:
+    """Read the ranks' messages into `done` until every rank has sent its payload; raise BenchError otherwise."""
+    world_size = len(procs)
+    while len(done) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(world_size)) - set(done))
+            raise BenchError(f"world of {world_size}: ranks {missing} had not finished at the deadline ({hint})")
+        try:
+            kind, rank, payload = results.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            dead = {r: p.exitcode for r, p in enumerate(procs) if r not in done and p.exitcode is not None}
+            if not dead:
+                continue
+            try:  # its last message may still be in the pipe
+                kind, rank, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                raise BenchError(f"world of {world_size}: ranks died without a word (exit codes {dead})") from None
+        if kind == "progress":
+            progress(payload)
+        elif kind == "error":
+            raise BenchError(f"world of {world_size}: rank {rank} failed:\n{payload}")
+        else:
+            done[rank] = payload
+
+
 # -- the command line ----------------------------------------------------------------------------------------------
 def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Every world of `cfg`, measured and summarised: {"config", "environment", "results": [row, ...]}."""
@@ -183,29 +197,68 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def run_interruptible(label: str, work: Callable[[], Any]) -> tuple[Any, int]:
+    """(work(), 0), or (None, exit code) with one line on stderr when a world failed (1) or Ctrl-C or SIGTERM
+    stopped it (130, as a shell reports SIGINT); in every case no rank is left running (run_ranks sees to it)."""
+    try:
+        with _terminate_as_interrupt():
+            return work(), 0
+    except BenchError as exc:
+        print(f"{label}: {exc}", file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        print(f"{label}: interrupted; every rank was stopped", file=sys.stderr)
+        return None, 130
+
+
+def bounded(kind: type, low: float, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse `type` for a finite `kind` >= low (> low if `strict`): a value out of range stops the command
+    before any rank starts, with the usage line, the option's name, the allowed range and exit code 2."""
+    allowed = f"{'an integer' if kind is int else 'a finite number'} {'>' if strict else '>='} {low}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
+    from .bench_zero import SUMMARY as ZERO_SUMMARY
+
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Per-step time of ddpkit's DDP vs torch's DDP vs the bare model, on CPU gloo ranks here.",
+        description="Per-step time of ddpkit's DDP vs torch's DDP vs the bare model, on CPU gloo ranks here "
+                    "(or, with --zero, of ddpkit's ZeRO stages against torch's).",
         epilog="Models: " + "; ".join(f"{n}: {w.about}" for n, w in WORKLOADS.items()))
-    parser.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks (default %(default)s)")
+    parser.add_argument("--zero", action="store_true",
+                        help=f"run the ZeRO comparison instead. {ZERO_SUMMARY} Its options and defaults differ: "
+                             "see `%(prog)s --zero --help`")
+    parser.add_argument("--world-size", type=bounded(int, 1), default=defaults.world_size,
+                        help="ranks (default %(default)s)")
     parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=defaults.single,
                         help="also measure a world of one, where ddpkit should cost nothing (default on)")
     parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(defaults.models),
                         help="models to run (default: all)")
-    parser.add_argument("--steps", type=int, default=defaults.steps,
+    parser.add_argument("--steps", type=bounded(int, 1), default=defaults.steps,
                         help="timed steps per variant per round (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=defaults.warmup,
+    parser.add_argument("--warmup", type=bounded(int, 0), default=defaults.warmup,
                         help="untimed steps per variant before the rounds (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=defaults.repeats,
+    parser.add_argument("--repeats", type=bounded(int, 1), default=defaults.repeats,
                         help="rounds of interleaved variants (default %(default)s)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+    parser.add_argument("--bucket-cap-mb", type=bounded(float, 0, strict=True), default=None,
                         help="bucket size for both wrappers, MiB (default: their own, 25)")
-    parser.add_argument("--threads", type=int, default=defaults.threads,
+    parser.add_argument("--threads", type=bounded(int, 1), default=defaults.threads,
                         help="torch threads per rank (default %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="model and data seed")
-    parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
+    parser.add_argument("--timeout", type=bounded(float, 0, strict=True), default=defaults.timeout_s,
                         help="deadline for the whole run, seconds (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write every number (per step, per round) here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -220,8 +273,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench") -> int:
     """The command line; `prog` names it in --help (the CLI passes "ddpkit bench"). Returns the exit code."""
-    if "--zero" in (sys.argv[1:] if argv is None else argv):  # the ZeRO comparison: its own module
-        from .bench_zero import main as zero_main
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg.startswith("--z") and "--zero".startswith(arg) for arg in argv):  # --zero, or argparse's --ze
+        from .bench_zero import main as zero_main  # the ZeRO comparison: its own module and options
 
         return zero_main(argv, prog=f"{prog} --zero")
     parser = _parser(prog)
@@ -238,15 +292,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         parser.error(str(exc))
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr,
                                                                           flush=True))
-    try:
-        with _terminate_as_interrupt():
-            report = run_benchmark(cfg, progress)
-    except BenchError as exc:
-        print(f"ddpkit bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ddpkit bench: interrupted; every rank was stopped", file=sys.stderr)
-        return 130
+    report, code = run_interruptible("ddpkit bench", lambda: run_benchmark(cfg, progress))
+    if code:
+        return code
     env = report["environment"]
     print(f"ddpkit bench: torch {env['torch']}, gloo on loopback, {cfg.threads} thread(s) per rank, "
           f"{env['cpus']} CPUs; {'compiled (' + cfg.compile + '), ' if cfg.compile else ''}"

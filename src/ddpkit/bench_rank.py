@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import signal
 import time
@@ -111,14 +112,20 @@ def _timeline_variant(run: tuple[nn.Module, torch.optim.Optimizer], world) -> An
     return timeline
 
 
-def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:
-    # The parent owns Ctrl-C: it stops every rank, so a rank must not die half-way through a collective alone.
+def become_rank(rank: int, world_size: int, port: int) -> None:
+    """What every benchmark rank (this module's, bench_zero's) does first, before it joins the world."""
+    # The parent owns Ctrl-C and SIGTERM: it stops every rank, so a rank must not die half-way through a collective
+    # alone, and must not outlive the parent either.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     # The launcher's variables, as torchrun would set them, read by ddpkit.init_process_group.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+
+
+def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:
+    become_rank(rank, world_size, port)
     try:
         torch.set_num_threads(cfg.threads)
         torch.set_flush_denormal(True)
@@ -146,4 +153,7 @@ def _die_with_parent() -> None:
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
-        pass  # not Linux: the parent's deadline and cleanup still apply
+        return  # not Linux: the parent's deadline and cleanup still apply
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the parent died while this rank was starting, before the request above could take effect

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import multiprocessing as mp
-import os
-import queue
 import statistics
 import sys
 import time
@@ -38,11 +35,18 @@ from typing import Any
 
 import torch
 
-from .bench import WORKLOADS, ratio_stats, round_order
+from .bench import WORKLOADS, bounded, ratio_stats, round_order, run_interruptible, run_ranks
+from .bench_rank import become_rank
 from .bench_zero_memory import grad_bytes, peak_bytes, state_bytes
 
 VARIANTS = ("ddpkit", "ddpkit-z1", "ddpkit-z2", "torch", "torch-zero", "fsdp2")
 LR = 1e-4
+# What `ddpkit bench --help` says of --zero (the table itself is the docstring's).
+SUMMARY = ("It trains each model from the same seed with AdamW under six variants: ddpkit's DDP alone, with ddpkit's "
+           "ZeroRedundancyOptimizer (stage 1) and with DDP(zero_stage=2) (stage 2), against torch's DDP alone, with "
+           "torch's ZeroRedundancyOptimizer, and FSDP2. It prints one row per model and variant; the columns: "
+           "median step time (ms), its ratio to torch's DDP [min-max over rounds], the same ratio of CPU time, then "
+           "for each rank the optimizer-state, gradient and peak tensor memory (MiB).")
 
 
 def _make(variant: str, name: str, seed: int):
@@ -130,8 +134,7 @@ def _grads_after_backward(model, optimizer, workload, batch) -> int:
 
 
 def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    become_rank(rank, world_size, port)
     try:
         import ddpkit
 
@@ -150,39 +153,14 @@ def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) 
 
 def run(models: Sequence[str], world_size: int = 2, steps: int = 3, warmup: int = 2, repeats: int = 6,
         timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    """Every rank's measurements; no rank outlives the call."""
-    from .env import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, tuple(models), steps, warmup, repeats, results))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(done) < world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench --zero: ranks {sorted(set(range(world_size)) - set(done))} missed "
-                                   f"the {timeout_s:.0f} s deadline")
-            try:
-                kind, rank, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("bench --zero: a rank died without a word") from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"bench --zero: rank {rank} failed:\n{payload}")
-            done[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(done) == world_size else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+    """Every rank's measurements; no rank outlives the call (bench.run_ranks: a failure raises BenchError)."""
+    for name, value, low in (("world_size", world_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
+                             ("repeats", repeats, 1)):
+        if value < low:
+            raise ValueError(f"bench --zero: {name} must be >= {low}, got {value}")
+    hint = f"{timeout_s:.0f} s; raise it with --timeout"
+    done = run_ranks(_rank_main, world_size, (tuple(models), steps, warmup, repeats), time.monotonic() + timeout_s,
+                     hint)
     return [done[r] for r in range(world_size)]
 
 
@@ -203,16 +181,30 @@ def format_table(per_rank: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "ddpkit bench --zero") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)  # how `ddpkit bench` hands over
-    parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=["mlp", "transformer"])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=6, help="rounds (the order rotates each round)")
-    args = parser.parse_args(argv)
-    per_rank = run(args.models, args.world_size, args.steps, args.warmup, args.repeats)
+    parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=["mlp", "transformer"],
+                        help="models to run (default: %(default)s)")
+    parser.add_argument("--world-size", type=bounded(int, 1), default=2, help="ranks (default %(default)s)")
+    parser.add_argument("--steps", type=bounded(int, 1), default=3,
+                        help="timed steps per variant per round (default %(default)s)")
+    parser.add_argument("--warmup", type=bounded(int, 0), default=2,
+                        help="untimed steps per variant before the rounds (default %(default)s)")
+    parser.add_argument("--repeats", type=bounded(int, 1), default=6,
+                        help="rounds (the order rotates each round; default %(default)s)")
+    parser.add_argument("--timeout", type=bounded(float, 0, strict=True), default=900.0,
+                        help="deadline for the whole run, seconds (default %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ddpkit bench --zero") -> int:
+    args = _parser(prog).parse_args(argv)
+    per_rank, code = run_interruptible("ddpkit bench --zero", lambda: run(
+        args.models, args.world_size, args.steps, args.warmup, args.repeats, args.timeout))
+    if code:
+        return code
     print(f"ddpkit bench --zero: AdamW, gloo, {args.world_size} ranks x 1 thread, rank 0 medians of "
           f"{args.repeats} rounds x {args.steps} steps")
     print(format_table(per_rank))
