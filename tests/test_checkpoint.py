@@ -47,6 +47,18 @@ def test_round_trip_restores_everything(tmp_path):
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(2), expected[2])
 
 
+def test_the_optimizer_state_is_read_onto_the_cpu_whatever_the_training_device(tmp_path):
+    """torch's Optimizer.load_state_dict moves each state to its parameter's device but leaves Adam's `step` where
+    the file was read to: read onto a GPU it would cost host syncs at every step. (meta stands in for a GPU.)"""
+    import types
+
+    model, opt, sched = trained_parts()
+    path = save_small(tmp_path, 3, model, opt, sched)
+    fresh, fresh_opt, _ = trained_parts(seed=9)
+    ckpt.load_checkpoint(path, optimizer=fresh_opt, world=types.SimpleNamespace(device=torch.device("meta"), rank=0))
+    assert {state["step"].device.type for state in fresh_opt.state.values()} == {"cpu"}
+
+
 def _remark(path: str) -> None:
     """Rewrite a checkpoint's completion marker for the files as they are now."""
     names = [n for n in os.listdir(path) if n != integrity.MARKER_FILE]

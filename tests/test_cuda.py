@@ -55,6 +55,7 @@ def nccl_truth(world):
         x, y = x.to(device), y.to(device)
         for p in list(ddp.parameters()) + list(ref.parameters()):
             p.grad = None
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs, the grads cleared, the init broadcast
         with torch.cuda.stream(stream):  # a side stream: collectives must order with the current stream
             models.loss("transformer", ddp, x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard], r,
                         0).backward()

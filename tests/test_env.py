@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -164,9 +165,19 @@ def test_device_pinning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert ddpkit.env._pin_device("cuda", 1) == torch.device("cuda", 1) and calls == [1]
+    group = types.SimpleNamespace(bound_device_id=None)
+    monkeypatch.setattr(ddpkit.env.dist.distributed_c10d, "_get_default_group", lambda: group)
+    monkeypatch.setattr(ddpkit.env.dist, "get_rank", lambda: 2)
     assert ddpkit.env._pin_device("cuda", None) == torch.device("cuda", 3) and calls == [1]  # left as it was
+    # Left on device 0 (torch's tutorial moves only the model): rank r takes device r, as NCCL needs; the device
+    # a group was bound to (init_process_group(device_id=...)) wins.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ddpkit.env._pin_device("cuda", None) == torch.device("cuda", 2) and calls == [1, 2]
+    group.bound_device_id = torch.device("cuda", 1)
+    assert ddpkit.env._pin_device("cuda", None) == torch.device("cuda", 1) and calls == [1, 2, 1]
+    calls.clear()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert ddpkit.env._pin_device("cuda", 2) == torch.device("cuda", 0) and calls == [1, 0]
+    assert ddpkit.env._pin_device("cuda", 2) == torch.device("cuda", 0) and calls == [0]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(LaunchError, match="local rank 2 needs cuda:2 but only 2"):
         ddpkit.env._pin_device("cuda", 2)
@@ -179,6 +190,8 @@ def test_a_process_group_made_by_hand_is_adopted_without_the_one_process_warning
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
+    # On a machine with GPUs too: a gloo group made by hand trains on the CPU (it was pinned to a GPU)
+    monkeypatch.setattr(ddpkit.env, "default_device_type", lambda: "cuda")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         world = ddpkit.init_process_group()

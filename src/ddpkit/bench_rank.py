@@ -129,7 +129,7 @@ def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:
     try:
         torch.set_num_threads(cfg.threads)
         torch.set_flush_denormal(True)
-        world = init_process_group(backend="gloo", timeout=cfg.timeout_s)
+        world = init_process_group(backend="gloo", device_type="cpu", timeout=cfg.timeout_s)
         try:
             comm = Comm.for_group()
             monitor = attach_stall_monitor(comm, cfg.timeout_s, cfg.timeout_s / 5) if cfg.inspector else None

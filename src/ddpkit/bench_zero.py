@@ -141,7 +141,7 @@ def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) 
         torch.set_num_threads(1)
         # FSDP2 warns at every forward that the MLP's output is a view; the comparison does not modify it in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        ddpkit.init_process_group(backend="gloo", timeout=600)
+        ddpkit.init_process_group(backend="gloo", device_type="cpu", timeout=600)
         try:
             out = {name: measure(name, rank, steps, warmup, repeats) for name in models}
         finally:

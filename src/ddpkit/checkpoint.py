@@ -305,7 +305,9 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(f"the optimizer state in {path} cannot be loaded: {exc}") from exc
     elif optimizer is not None:
-        _load_into(optimizer, os.path.join(path, OPTIMIZER_FILE), device)
+        # Read onto the CPU: the optimizer's load_state_dict moves each state to its parameter's device itself,
+        # but leaves Adam's `step` where it was read (on a GPU it would cost host syncs at every step).
+        _load_into(optimizer, os.path.join(path, OPTIMIZER_FILE), "cpu")
     if scheduler is not None:
         _load_into(scheduler, os.path.join(path, SCHEDULER_FILE), "cpu")
     if scaler is not None and os.path.isfile(os.path.join(path, SCALER_FILE)):  # none: saved without fp16

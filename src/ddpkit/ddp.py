@@ -1,7 +1,7 @@
 """DistributedDataParallel: a drop-in for torch's wrapper, on ddpkit's own reducer.
 
     world = ddpkit.init_process_group()
-    model = ddpkit.DistributedDataParallel(net.to(world.device), device_ids=[world.local_rank] if cuda else None)
+    model = ddpkit.DistributedDataParallel(net.to(world.device), device_ids=[world.device.index] if cuda else None)
     loss = model(x).loss_fn(...); loss.backward()      # gradients averaged over every rank
     with model.no_sync():                              # accumulate locally, reduce on the next synced backward
         model(x2).sum().backward()

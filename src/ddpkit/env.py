@@ -23,6 +23,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -234,7 +235,7 @@ def _pin_device(device_type: str, local_rank: int | None) -> torch.device:
     module = getattr(torch, device_type)
     count = module.device_count()
     if local_rank is None:
-        return torch.device(device_type, module.current_device())
+        return _adopted_device(device_type, module, count)
     if count == 1:  # one device bound to each task (SLURM --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)
         local_rank = 0
     if local_rank >= count:
@@ -244,6 +245,23 @@ def _pin_device(device_type: str, local_rank: int | None) -> torch.device:
         )
     module.set_device(local_rank)
     return torch.device(device_type, local_rank)
+
+
+def _adopted_device(device_type: str, module: Any, count: int) -> torch.device:
+    """The device of a process in a group made by hand without a launcher (mp.spawn): the one the group is bound
+    to (init_process_group(device_id=...)), or the current one where its maker pinned it; torch's DDP tutorial
+    only moves the model (`model.to(rank)`), and every rank left on device 0 would make NCCL fail ("Duplicate GPU
+    detected"): then rank r, as there, takes device r of this node."""
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    current = module.current_device()
+    index = current
+    if bound is not None and bound.type == device_type and bound.index is not None:
+        index = bound.index
+    elif current == 0 and count > 1:
+        index = dist.get_rank() % count
+    if index != current:
+        module.set_device(index)
+    return torch.device(device_type, index)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -276,6 +294,8 @@ def init_process_group(
         info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
         watch_parent()  # a worker must not outlive a launcher killed with SIGKILL
+    if device_type is None and adopted and dist.get_backend() in ("gloo", "mpi"):
+        device_type = "cpu"  # a CPU backend's group trains on the CPU, GPUs or not (the tests' worlds)
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if adopted:

@@ -288,7 +288,10 @@ class Reducer:
         one away."""
         if self.uses.count == len(self.params):
             return into.fill_(1)
-        return into.copy_(torch.tensor(self.uses.flags, dtype=into.dtype))
+        # From pinned memory, asynchronously: a pageable copy to a GPU would stall the CPU here, mid-backward, until
+        # the device drained (the caching host allocator keeps the pinned block until the copy is done).
+        flags = torch.tensor(self.uses.flags, dtype=into.dtype, pin_memory=into.is_cuda)
+        return into.copy_(flags, non_blocking=into.is_cuda)
 
     def _launch_usage(self, window: Window) -> None:
         """Sum over the ranks, per parameter, whether it was used since the last synchronised backward.

@@ -275,6 +275,7 @@ class Trainer(EvaluationMixin):
         return share, grad_norm
 
     def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
+        items = self.count_items(batch)  # on the batch as it came (the CPU's): no device sync per micro-step
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
         with self.precision.autocast():
@@ -285,7 +286,7 @@ class Trainer(EvaluationMixin):
             else:
                 # A mean over this batch's items times their count is their sum; over the global count it is
                 # this batch's share of the step's mean loss, however the items are spread over batches and ranks.
-                share = self.compute_loss(model, inputs) * (self.count_items(inputs) / global_items)
+                share = self.compute_loss(model, inputs) * (items / global_items)
         share = share * weight  # 0 for the filler batch of a rank that ran out of data
         # DDP averages gradients over the ranks, but the step's loss is the *sum* of the ranks' shares:
         # multiplying by the world size first turns that average back into the sum.
