@@ -161,7 +161,10 @@ class GradBucket:
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            piece = buffer[offset:offset + p.numel()]
+            # A dense parameter's view takes its strides (torch's reducer does): autograd makes gradients in the
+            # parameter's layout (channels_last, a transpose), so they keep it in the bucket, as `.grad` too.
+            self.views.append(piece.as_strided(p.shape, p.stride()) if _dense(p) else piece.view_as(p))
             offset += p.numel()
 
     def index(self) -> int:
@@ -258,6 +261,8 @@ class Bucket:
         view, grad = self.views[position], self.params[position].grad
         if grad.data_ptr() == view.data_ptr():
             return False  # accumulated in place (gradient_as_bucket_view): divided at launch, when all is in
+        if grad.dtype != view.dtype:
+            raise _converted(self.params[position], grad, view)
         with torch.no_grad():  # a gradient of create_graph=True requires grad itself
             # Average = sum of (grad / divisor): dividing first keeps low-precision sums from overflowing. Copied
             # gradients are multiplied by the reciprocal, as torch's reducer does (see fill).
@@ -280,6 +285,8 @@ class Bucket:
             elif as_view and grad.data_ptr() == view.data_ptr():  # already accumulated in place
                 in_place.append(view)
             else:
+                if grad.dtype != view.dtype:  # the copy would round it to the bucket's dtype, silently
+                    raise _converted(param, grad, view)
                 dst.append(view)
                 src.append(grad)
         if dst:
@@ -335,3 +342,21 @@ class Bucket:
                 src.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+def _converted(param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> RuntimeError:
+    return RuntimeError(f"a {tuple(param.shape)} parameter's gradient is {grad.dtype} but its bucket holds "
+                        f"{view.dtype}: the model's parameters changed dtype after DistributedDataParallel wrapped "
+                        "them (model.double() or .half() after wrapping). Convert the module first, then wrap it")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill one block of memory, each once, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda dim: (dim[1], dim[0])):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True

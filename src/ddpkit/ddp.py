@@ -95,7 +95,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         """Everything tied to the process group: built at construction and again when unpickled (with
         init_sync=False then: loading must not need the other ranks, as with torch's wrapper)."""
         self._comm = Comm.for_group(self.process_group)
-        self.forward_sync_buffers = self.forward_sync_buffers  # lists the buffers to broadcast
         self.reducer: Reducer | None = None
         self._join_config = _JoinConfig.construct_disabled_join_config()  # a Join context sets it (ddpkit.join)
         self._join_divide_by_initial_world_size = True
@@ -137,8 +136,16 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     @forward_sync_buffers.setter
     def forward_sync_buffers(self, value: bool) -> None:
         self._forward_sync_buffers = bool(value)
+
+    @property
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        """The buffers rank 0 sends, read from the module at each broadcast, as torch's wrapper reads them: one
+        reassigned in forward (self.ema = ...), registered after wrapping or converted (ddp.double()) is a new
+        tensor, which a list taken once would never send."""
+        if not self._forward_sync_buffers:
+            return []
         ignore = self.parameters_to_ignore
-        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in ignore] if value else []
+        return [b for n, b in self.module.named_buffers() if n not in ignore]
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -151,7 +158,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     # -- pickling, torch.save, copy.deepcopy: torch's contract ------------------------------------------------------
     _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_window",
-                     "_buffers_to_sync", "_join_config", "_join_pending", "_grad_shards")
+                     "_join_config", "_join_pending", "_grad_shards")
 
     def __getstate__(self) -> dict[str, Any]:
         """The module and the settings; the process group and the reducer are rebuilt by __setstate__."""

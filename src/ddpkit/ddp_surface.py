@@ -111,7 +111,8 @@ class TorchSurface:
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last backward pass did not finish its reduction (it raised half-way, say)."""
-        if self.reducer is not None and self.reducer.armed:
+        window = self.reducer.window if self.reducer is not None else None
+        if window is not None and window.open:
             raise RuntimeError("the last backward pass through DistributedDataParallel did not finish reducing "
                                "its gradients (it raised before its end?); run a complete backward pass")
 

@@ -28,8 +28,9 @@ def _compress_hook(dtype: torch.dtype):
     def hook(state: Comm | None, bucket: GradBucket) -> torch.futures.Future:
         comm = _comm(state, bucket)
         buffer = bucket.buffer()
-        # Divide before the cast: a sum of world_size half-precision values could overflow where their mean won't.
-        compressed = (buffer / comm.world_size).to(dtype)
+        # torch's order, for its bits: cast, then divide in the compressed dtype before the sum (a sum of
+        # world_size half-precision values could overflow where their mean won't).
+        compressed = buffer.to(dtype).div_(comm.world_size)
         future = comm.all_reduce_future(compressed, f"bucket {bucket.index()} ({dtype})")
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
