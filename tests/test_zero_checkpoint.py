@@ -74,6 +74,55 @@ def test_resume_across_stages_and_world_sizes(tmp_path, saved, resumed):
                 f"rank {rank} step {step}: {loss} resumed, {whole[step]} uninterrupted"
 
 
+class Scaled(nn.Module):
+    """A 0-dim parameter (CLIP's logit_scale) beside a weight: its optimizer state is 0-dim too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.logit_scale = nn.Linear(4, 6), nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.logit_scale
+
+
+def plain_then_zero(world, folder, stage, optimizer, load):
+    """4 steps of `optimizer` on the same batch on every rank (so any world computes one process's numbers),
+    saved after 2 by a plain optimizer, or resumed from there under ZeRO `stage`: the parameters at the end."""
+    import ddpkit
+    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    module = Scaled()
+    model = ddpkit.DistributedDataParallel(module, zero_stage=2 if stage == 2 else 0)
+    make = getattr(torch.optim, optimizer)
+    opt = make(module.parameters(), lr=0.01) if stage == 0 else \
+        ddpkit.ZeroRedundancyOptimizer(module.parameters(), make, lr=0.01)
+    if load:
+        load_checkpoint(os.path.join(folder, "checkpoint-2"), model=module, optimizer=opt, world=world)
+    for step in range(2 if load else 0, 4):
+        opt.zero_grad()
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        opt.step()
+        if step == 1 and not load:
+            save_checkpoint(folder, 2, model=module, optimizer=opt, trainer_state={"global_step": 2},
+                            comm=ddpkit.Comm.for_group(), world=world)
+    if stage:
+        opt.wait_for_params()
+    return [p.detach().reshape(-1).tolist() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("optimizer, stage", [("AdamW", 1), ("AdamW", 2), ("Adafactor", 1)])
+def test_a_plain_checkpoint_resumes_under_zero_with_0_dim_and_factored_state(tmp_path, optimizer, stage):
+    """The whole state's per-element tensors are told by the parameters' shapes: a 0-dim parameter's state was
+    left 0-dim (the first step failed on shape [] against [1]), and Adafactor's factored statistics were taken
+    for per-element ones (built from uninitialised memory; the first step failed)."""
+    (whole,) = run_world(plain_then_zero, 1, args=(str(tmp_path), 0, optimizer, False), deadline_s=60)
+    for rank, got in enumerate(run_world(plain_then_zero, 2, args=(str(tmp_path), stage, optimizer, True),
+                                         deadline_s=60)):
+        for a, b in zip(got, whole):
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (rank, a, b)
+
+
 class Plain(nn.Module):
     """test_trainer's classifier without dropout, so that one rank and two draw the same computation."""
 

@@ -169,6 +169,9 @@ def join_under_stage_2(world):
                 TorchJoin(joinables, enable=enable)  # on every rank, before any collective
     model(torch.ones(2, 4)).sum().backward()  # and both still train outside any Join
     zero.step()
+    with pytest.raises(NotImplementedError, match="add_param_group under zero_stage=2"):
+        zero.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert len(zero.param_groups) == 1  # refused before anything changed, as torch's
     return True
 
 

@@ -23,7 +23,7 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=False):
+def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=False, head_only=False):
     """The norm the clip returns and the parameters after the clipped SGD step; poison: (parameter index,
     element) made NaN in the averaged gradient, on every rank. typed: the norm as its dtype's name and value."""
     import ddpkit
@@ -31,8 +31,10 @@ def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=Fa
     torch.manual_seed(0)
     module = Net().to(dtype)
     model = ddpkit.DistributedDataParallel(module, zero_stage=2 if stage == 2 else 0)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if stage == 0 else
-           ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
+    # head_only: an optimizer over some of the model's parameters (the rest trained otherwise, or frozen by hand)
+    params = list(module.b.parameters()) if head_only else list(model.parameters())
+    opt = (torch.optim.SGD(params, lr=0.1) if stage == 0 else
+           ddpkit.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(world.rank)).to(dtype)
     loss = model(x).float().square().mean()
     if poison is not None:  # NaN in one averaged gradient element: every rank's contribution NaN there
@@ -40,7 +42,7 @@ def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=Fa
         param.register_hook(lambda g: g.index_put((torch.tensor(poison[1]),), torch.tensor(math.nan)))
     loss.backward()
     if stage == 0:
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 0.01, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.01, norm_type=norm_type)
     else:
         norm = opt.clip_grad_norm_(0.01, norm_type=norm_type)
     opt.step()
@@ -62,6 +64,10 @@ def clip_world(world):
     # The NaN on rank 1's side of every shard split (the last parameter) and on rank 0's (the first)
     for stage in (1, 2):
         out[("nan", stage)] = [_clipped(world, stage, math.inf, poison=(p, 0))[0] for p in (0, 3)]
+    plain = _clipped(world, 0, 2.0, head_only=True)
+    for stage in (1, 2):  # the norm of the optimizer's own gradients only (stage 2 read its buckets' others too)
+        norm, params = _clipped(world, stage, 2.0, head_only=True)
+        out[("head only", stage)] = (plain[0], norm, max((a - b).abs().max().item() for a, b in zip(plain[1], params)))
     for stage in (0, 1, 2):  # bf16 gradients: the norm in bf16, as torch's returns it
         out[("bf16", stage)] = _clipped(world, stage, 2.0, dtype=torch.bfloat16, typed=True)
     try:

@@ -155,11 +155,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's: the new group is partitioned among the ranks on its own (existing shards do not move)."""
-        super().add_param_group(param_group)
-        self._consolidated = None  # gathered for fewer groups: consolidate again
-        if self._built and self.grad_shards is not None:
+        if self._built and self.grad_shards is not None:  # refused before anything changed, as torch's
             raise NotImplementedError("add_param_group under zero_stage=2 is not supported: pass every param "
                                       "group to the constructor")
+        super().add_param_group(param_group)
+        self._consolidated = None  # gathered for fewer groups: consolidate again
         if self._built:
             self.optim.add_param_group(self._shard_group(len(self.param_groups) - 1))
             self._foreach_ok.append(foreach_tensors(self.optim.param_groups[-1]["params"]))
@@ -325,8 +325,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                              f"{[len(g['params']) for g in groups]} parameters per group there, "
                              f"{[len(g['params']) for g in self.param_groups]} here")
         if self.optim is None:  # stage 2 before its first step: loaded when the shards are known
-            self.defer_load(functools.partial(self.load_state_dict, state_dict), whole_pieces(state_dict["state"]),
-                            groups)
+            pieces = whole_pieces(state_dict["state"], [p.shape for p in self._numbered()])
+            self.defer_load(functools.partial(self.load_state_dict, state_dict), pieces, groups)
             return
         saved = state_dict["state"]
         pieces = []

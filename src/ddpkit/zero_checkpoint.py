@@ -65,8 +65,10 @@ def _open(path: str) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def _saved_pieces(folder: str, whole_file: str | None) -> tuple[list[dict], list[tuple[int, int, int, dict]]]:
-    """The saved param groups and pieces, from shard files or from one whole state_dict (lazily: mmap)."""
+def _saved_pieces(folder: str, whole_file: str | None, shapes: list[torch.Size]
+                  ) -> tuple[list[dict], list[tuple[int, int, int, dict]]]:
+    """The saved param groups and pieces, from shard files or from one whole state_dict (lazily: mmap); `shapes`:
+    the loading optimizer's parameters', which tell the whole state's per-element tensors (zero_state)."""
     files = shard_files(folder)
     if files:
         pieces, groups = [], None
@@ -81,7 +83,7 @@ def _saved_pieces(folder: str, whole_file: str | None) -> tuple[list[dict], list
     saved = _open(whole_file)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"count": len(g["params"])}
               for g in saved["param_groups"]]
-    return groups, whole_pieces(saved["state"])
+    return groups, whole_pieces(saved["state"], shapes)
 
 
 def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[str, Any] | None:
@@ -123,7 +125,8 @@ def read_into(folder: str, optimizer: Any, whole_file: str | None = None) -> Non
     """Load the saved state into `optimizer`: a sharded one reads its own ranges, a plain one everything."""
     # Opened now (mmap), not when a stage-2 load deferred to the first step runs: a save before that step may
     # replace this very folder, and the optimizer hands these pieces to it meanwhile.
-    groups, pieces = _saved_pieces(folder, whole_file)
+    shapes = [p.shape for group in optimizer.param_groups for p in group["params"]]
+    groups, pieces = _saved_pieces(folder, whole_file, shapes)
     foreign = foreign_state(optimizer, groups[0]) if groups else None
     if foreign:
         raise ValueError(f"it holds {foreign}")

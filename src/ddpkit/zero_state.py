@@ -6,7 +6,7 @@ start, stop) instead, which any world size and any partition can read:
 
     merge_pieces(pieces, shape, whole)              one parameter's whole state from its pieces
     whole_state_dict(pieces, params, groups, whole) torch's state_dict from every rank's pieces
-    whole_pieces(state)                             torch's "state" as pieces, each a whole parameter's, flat
+    whole_pieces(state, shapes)                     torch's "state" as pieces, each a whole parameter's, flat
     slice_state(state, start, stop, shape, whole)   the piece of one parameter's whole state a rank needs
     local_state_dict(pieces, groups, local_groups, slot)  a rank's pieces as its local optimizer's state_dict
 
@@ -76,17 +76,19 @@ def flat_state(state: dict[str, Any], numel: int) -> dict[str, Any]:
             and v.numel() == numel else v for k, v in state.items()}
 
 
-def _numel_of(state: dict[str, Any]) -> int:
-    sizes = [v.numel() for k, v in state.items() if isinstance(v, torch.Tensor) and k not in COUNT_KEYS]
-    return max(sizes) if sizes else 0
-
-
-def whole_pieces(state: dict[Any, dict[str, Any]]) -> list[tuple[int, int, int, dict[str, Any]]]:
-    """torch's state_dict["state"] as shard-state pieces: (parameter index, 0, numel, its state made flat)."""
+def whole_pieces(state: dict[Any, dict[str, Any]], shapes: list[torch.Size]
+                 ) -> list[tuple[int, int, int, dict[str, Any]]]:
+    """torch's state_dict["state"] as shard-state pieces: (parameter index, 0, numel, its state with every
+    per-element tensor made flat). `shapes`: the parameters' (numbered in param-group order): torch's rule, a
+    tensor shaped like its parameter is per element (so a 0-dim parameter's are too, and a shape-aware
+    optimizer's factored statistics are not); a parameter past them (a mismatch the caller reports) is taken
+    as it is."""
     pieces = []
     for index, saved in state.items():
-        numel = _numel_of(saved)
-        pieces.append((int(index), 0, numel, flat_state(saved, numel)))
+        shape = shapes[int(index)] if int(index) < len(shapes) else None
+        flat = {k: v.detach().reshape(-1) if shape is not None and isinstance(v, torch.Tensor) and
+                k not in COUNT_KEYS and tuple(v.shape) == tuple(shape) else v for k, v in saved.items()}
+        pieces.append((int(index), 0, shape.numel() if shape is not None else 0, flat))
     return pieces
 def local_state_dict(pieces: list[tuple[int, int, int, dict[str, Any]]], groups: list[dict[str, Any]],
                      local_groups: list[dict[str, Any]], slot: Callable[[torch.Tensor], tuple[int, int, int]]

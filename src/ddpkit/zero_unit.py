@@ -120,10 +120,12 @@ class Unit:
                 local.grad = None
 
     def grads(self) -> list[torch.Tensor]:
-        """The gradients this rank's optimizer reads (its shard), for the global norm."""
+        """The gradients this rank's optimizer reads (its shard), for the global norm: a stage-2 bucket's
+        parameters that are not this optimizer's (indices None: another optimizer's, or none's) are left out."""
         if self.plan.whole:
             return [p.grad for p in self.locals if p.grad is not None]
-        return [g for g in map(self.grad_of, self.mine) if g is not None]
+        mine = [piece for piece in self.mine if self.indices[piece.param] is not None]
+        return [g for g in map(self.grad_of, mine) if g is not None]
 
     # -- the all-gather -------------------------------------------------------------------------------------------
     # Without bucket_view every rank's updated pieces go straight into the other ranks' parameters
