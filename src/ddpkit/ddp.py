@@ -136,16 +136,20 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     @forward_sync_buffers.setter
     def forward_sync_buffers(self, value: bool) -> None:
         self._forward_sync_buffers = bool(value)
+        self._buffers_seen = len(self._buffers_to_sync)
 
     @property
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         """The buffers rank 0 sends, read from the module at each broadcast, as torch's wrapper reads them: one
         reassigned in forward (self.ema = ...), registered after wrapping or converted (ddp.double()) is a new
-        tensor, which a list taken once would never send."""
+        tensor, which a list taken once would never send. How many there were is kept for
+        will_sync_module_buffers (torch's len(modules_buffers)), so that a forward walks the module once."""
         if not self._forward_sync_buffers:
             return []
         ignore = self.parameters_to_ignore
-        return [b for n, b in self.module.named_buffers() if n not in ignore]
+        buffers = [b for n, b in self.module.named_buffers() if n not in ignore]
+        self._buffers_seen = len(buffers)
+        return buffers
 
     @property
     def broadcast_buffers(self) -> bool:

@@ -104,7 +104,8 @@ class TorchSurface:
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next training forward broadcasts the module's buffers from rank 0 (torch's rule)."""
-        return self.reducer is not None and bool(self.require_forward_param_sync) and bool(self._buffers_to_sync)
+        return self.reducer is not None and bool(self.require_forward_param_sync) and \
+            self.forward_sync_buffers and self._buffers_seen > 0
 
     def _log_and_throw(self, err_type: type[BaseException], err_msg: str):
         raise err_type(err_msg)
