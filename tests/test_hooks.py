@@ -79,3 +79,24 @@ def test_a_hook_future_that_never_completes_times_out_as_a_collective_would():
                                       deadline_s=60):
         assert "Timed out after 4 s" in text and "comm_hook (bucket 0, backward 1)" in text, (kind, text)
         assert took < 20, took
+
+
+def _wrong_size(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer()[:3])
+    return future
+
+
+def hook_of_the_wrong_size(world):
+    import ddpkit
+
+    ddp = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 4))
+    ddp.register_comm_hook(None, _wrong_size)
+    with pytest.raises(RuntimeError, match="comm hook returned a tensor of 3 elements for bucket 0, which holds 20"):
+        ddp(torch.ones(2, 4)).sum().backward()
+    return True
+
+
+def test_a_hook_result_of_the_wrong_size_is_named():
+    """It failed inside the copy back ("refer to a single memory location"), naming neither the hook nor the size."""
+    assert run_world(hook_of_the_wrong_size, 2, deadline_s=60) == [True, True]

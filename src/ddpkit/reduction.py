@@ -110,6 +110,10 @@ class CommHookReduction(AllReduce):
         result = self.comm.wait(future, record)
         if isinstance(result, (list, tuple)):
             result = result[0]
+        if isinstance(result, torch.Tensor) and result.numel() != bucket.flat.numel():
+            raise RuntimeError(f"the comm hook returned a tensor of {result.numel()} elements for bucket "
+                               f"{bucket.index}, which holds {bucket.flat.numel()}: a hook's future must hold the "
+                               "reduced bucket, bucket.buffer()'s size (see torch's register_comm_hook)")
         return result
 
     def finish(self, bucket: Bucket, result: torch.Tensor | None, everywhere_used: list[bool] | None) -> None:
