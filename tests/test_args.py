@@ -78,6 +78,10 @@ def test_fractional_intervals_and_derived_values():
     assert TrainingArguments(warmup_steps=0.1, warmup_ratio=0.5).warmup_steps_for(95) == 10
     assert parse_args(["--warmup_steps", "0.25"]).warmup_steps_for(10) == 3
     assert args.train_batch_size(world_size=2) == 24
+    assert TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.2,
+                             save_steps=0.6).save_steps == 0.6  # 3 x 0.2, compared in millionths
+    whole = TrainingArguments(save_steps=4.0).save_steps
+    assert whole == 4 and isinstance(whole, int)
 
 
 def test_gradient_checkpointing_flips_ddp_defaults():
@@ -113,6 +117,13 @@ INVALID = [
     ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")),
     ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=3,
                                     save_steps=4)),
+    # Fractions of the total (Transformers' rule): the best checkpoint was rotated away unevaluated.
+    ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.3,
+                                    save_steps=0.5)),
+    ("load_best_model_at_end", dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.2,
+                                    save_steps=10)),
+    ("eval_steps", dict(eval_steps=2.5)),  # it was cut to 2
+    ("logging_steps", dict(logging_steps=1.5)),
     ("seed", dict(seed=-1)),
     ("data_seed", dict(data_seed=2**32)),
     ("dataloader_num_workers", dict(dataloader_num_workers=-1)),

@@ -26,6 +26,32 @@ def _groups(optimizer):
     return [(sorted(id(p) for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
 
 
+class Named(nn.Module):
+    """Names and layers Transformers' rule decides by, shapes aside: T5's relative_attention_bias (2-d, no decay),
+    CLIP's logit_scale and class_embedding (0-d and 1-d, decayed), an RMSNorm's weight (no decay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.relative_attention_bias = nn.Embedding(4, 2)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.class_embedding = nn.Parameter(torch.zeros(3))
+        self.final_layer_norm = nn.RMSNorm(3)
+        self.ln = nn.Sequential(nn.LayerNorm(3))
+        self.out_proj = nn.Linear(3, 3)
+
+
+def test_weight_decay_is_chosen_by_name_and_layer_as_transformers_chooses(tmp_path):
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    model = Named()
+    decayed = set(get_parameter_names(model, [nn.LayerNorm], [r"bias", r"layernorm", r"rmsnorm",
+                                                               r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]))
+    optimizer = create_optimizer(model, TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in optimizer.param_groups}
+    assert got[0.1] == sorted(decayed) == ["class_embedding", "logit_scale", "out_proj.weight"], got
+
+
 CHOICES = [
     ("adamw_torch", None, torch.optim.AdamW, dict(betas=(0.8, 0.95), eps=1e-6, fused=None)),
     ("adamw_torch_fused", None, torch.optim.AdamW, dict(betas=(0.8, 0.95), eps=1e-6, fused=True)),
@@ -44,7 +70,7 @@ def test_each_choice_builds_its_class_with_the_arguments(optim, extra, cls, expe
     optimizer = create_optimizer(model, args)
     assert type(optimizer) is cls
     assert optimizer_class(args)[0] is cls
-    # Weight decay on the matrices only: biases and norm weights (fewer than 2 dimensions) get none.
+    # Weight decay on the weights: biases and norm weights get none.
     matrices = [model.linear.weight]
     vectors = [model.linear.bias, model.norm.weight, model.norm.bias]
     assert _groups(optimizer) == [(sorted(map(id, matrices)), 0.1), (sorted(map(id, vectors)), 0.0)]

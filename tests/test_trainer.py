@@ -377,3 +377,11 @@ def test_train_loss_counts_the_last_step_when_a_callback_stops_between_two_logs(
     every_step, losses = run("every", 1)
     assert len(losses) == 3 and every_step == sum(losses) / 3
     assert run("sparse", 5) == (every_step, [])
+
+
+def test_an_eval_strategy_without_an_eval_dataset_is_refused(tmp_path, local_world):
+    """As Transformers at construction: it never evaluated (and load_best_model_at_end kept nothing)."""
+    from ddpkit.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match="eval_strategy: is 'steps' but the Trainer got no eval_dataset"):
+        Trainer(Classifier(), trainer_args(tmp_path, eval_strategy="steps"), classification_data(8))

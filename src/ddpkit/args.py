@@ -139,7 +139,7 @@ class TrainingArguments:
             self.warmup_steps = int(self.warmup_steps)  # below 1 a fraction; validate() names 2.5
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
-            if 1 <= value < math.inf:  # validate() names a non-finite one
+            if 1 <= value < math.inf and float(value).is_integer():  # validate() names 2.5 and a non-finite one
                 setattr(self, name, int(value))
         validate(self)
 

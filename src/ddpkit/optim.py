@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -39,13 +40,26 @@ def optimizer_class(args: TrainingArguments) -> tuple[type[torch.optim.Optimizer
     raise ArgumentError("optim", f"unknown optimizer {args.optim!r}")
 
 
+# Transformers' rule for the parameters weight decay leaves alone, by name (lower-cased): biases and norms'.
+NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def no_decay(model: nn.Module) -> set[int]:
+    """The ids of the parameters that get no weight decay, as Transformers' Trainer chooses them: those of
+    nn.LayerNorm layers and those whose name says bias or norm (T5's relative_attention_bias too), whatever their
+    shape (CLIP's 0-dim logit_scale is decayed)."""
+    skipped = {id(p) for module in model.modules() if isinstance(module, nn.LayerNorm) for p in module.parameters()}
+    return skipped | {id(p) for name, p in model.named_parameters() if NO_DECAY_NAME.search(name.lower())}
+
+
 def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int = 1) -> torch.optim.Optimizer:
-    """args.optim; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay. Under
-    ddp_zero_stage 1 or 2 (and more than one rank) each rank keeps the state of its shard only (ddpkit.zero;
-    adafactor, which needs whole tensors, gets whole parameters there)."""
+    """args.optim, with weight decay on every parameter but biases and norms (`no_decay`). Under ddp_zero_stage
+    1 or 2 (and more than one rank) each rank keeps the state of its shard only (ddpkit.zero; adafactor, which
+    needs whole tensors, gets whole parameters there)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    skipped = no_decay(model)
+    groups = [{"params": [p for p in params if id(p) not in skipped], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if id(p) in skipped], "weight_decay": 0.0}]
     stage = args.ddp_zero_stage if world_size > 1 else 0
     cls, options = optimizer_class(args)
     return apply_zero([g for g in groups if g["params"]], stage, cls, **options)

@@ -41,7 +41,7 @@ from . import checkpoint, model_io, optim, resume, runs, step
 from .best import BestModel
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
-from .args import TrainingArguments
+from .args import ArgumentError, TrainingArguments
 from .comm import Comm, barrier, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
@@ -93,6 +93,9 @@ class Trainer(EvaluationMixin):
         self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
         self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        if args.eval_strategy != "no" and eval_dataset is None:  # as Transformers: it would never evaluate
+            raise ArgumentError("eval_strategy", f"is {args.eval_strategy!r} but the Trainer got no eval_dataset; "
+                                "pass one, or set eval_strategy to 'no'")
         self.data_collator = data_collator or default_collate
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers

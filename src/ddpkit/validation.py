@@ -91,8 +91,10 @@ def validate(args: Any) -> None:
     for name in ("eval_strategy", "save_strategy"):
         need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
     for name in ("logging_steps", "eval_steps", "save_steps"):
-        need(0 < getattr(args, name) < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the "
-                                                       "total steps)")
+        value = getattr(args, name)
+        need(0 < value < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the total steps)")
+        need(not 1 < value < math.inf or float(value).is_integer(), name,
+             "must be a whole number of steps when above 1 (a float below 1 is a fraction of the total steps)")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         need(float(getattr(args, name)).is_integer(), name, "must be a whole number")
     need(args.warmup_steps < 1 or float(args.warmup_steps).is_integer(), "warmup_steps",
@@ -130,10 +132,17 @@ def _validate_best_model(args: Any, need: Callable[[bool, str, str], None]) -> N
     need(args.save_strategy == args.eval_strategy, "load_best_model_at_end", f"needs save_strategy to match "
          f"eval_strategy (got save_strategy={args.save_strategy}, eval_strategy={args.eval_strategy}): a "
          "checkpoint is ranked by the evaluation of the step it was saved at")
-    if args.save_strategy == "steps" and args.save_steps >= 1 and args.eval_steps >= 1:
-        need(args.save_steps % args.eval_steps == 0, "load_best_model_at_end", f"needs save_steps "
-             f"({args.save_steps}) to be a multiple of eval_steps ({args.eval_steps}), so that every checkpoint "
-             "has an evaluation")
+    if args.save_strategy != "steps":
+        return
+    ratios = [args.save_steps < 1, args.eval_steps < 1]
+    need(all(ratios) or not any(ratios), "load_best_model_at_end", f"needs save_steps ({args.save_steps}) and "
+         f"eval_steps ({args.eval_steps}) both in steps or both fractions of the total, so that every checkpoint "
+         "has an evaluation")
+    # As Transformers: fractions compared in millionths (0.3 and 0.6 are not multiples in binary floating point)
+    scale = 1 if args.save_steps >= 1 else 1_000_000
+    need(round(args.save_steps * scale) % round(args.eval_steps * scale) == 0, "load_best_model_at_end",
+         f"needs save_steps ({args.save_steps}) to be a multiple of eval_steps ({args.eval_steps}), so that every "
+         "checkpoint has an evaluation")
 
 
 def _validate_ddp(args: Any, need: Callable[[bool, str, str], None]) -> None:
