@@ -146,6 +146,11 @@ def _pickled(step, out):
     out["loaded errors"] = [step(loaded, ref, seed=2 + k) for k in range(3)]  # its own gradients, averaged
     out["loaded buckets"] = len(loaded.bucket_plan)
     out["deepcopy error"] = step(copy.deepcopy(loaded), ref, seed=9)
+    older = ddp.__getstate__()  # as an earlier ddpkit pickled it: without the buffer count kept since
+    del older["_buffers_seen"]
+    again = ddpkit.DistributedDataParallel.__new__(ddpkit.DistributedDataParallel)
+    again.__setstate__(older)
+    out["older pickle error"] = step(again, ref, seed=10)
     try:
         torch.save(ddpkit.DistributedDataParallel(models.MLP(), process_group=dist.new_group([0, 1])), io.BytesIO())
         out["other group"] = "saved"
@@ -215,7 +220,7 @@ def test_pickle_ignore_list_buffers_at_init_and_torch_hooks():
     assert a["loaded type"] == "DistributedDataParallel" and a["fresh reducer"]
     assert a["loaded settings"] == (0.002, True, True)
     assert all(err <= 1e-6 for err in a["loaded errors"] + b["loaded errors"]), (a["loaded errors"], b["loaded errors"])
-    assert a["loaded buckets"] > 1 and a["deepcopy error"] <= 1e-6
+    assert a["loaded buckets"] > 1 and a["deepcopy error"] <= 1e-6 and a["older pickle error"] <= 1e-6
     assert "default process group" in a["other group"], a["other group"]
     assert a["kept weight"] == b["kept weight"], "a parameter not on the ignore list was not broadcast"
     assert a["ignored bias"] != b["ignored bias"], "an ignored parameter was broadcast"

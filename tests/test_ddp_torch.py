@@ -147,6 +147,21 @@ def buffers_layouts_and_finalize(world):
             ddp(_x(world, 6)).backward()
         out[f"gradient strides, bucket view {as_view}"] = _same_grads(ours, theirs) and [
             p.grad.stride() for p in ours.parameters()] == [p.grad.stride() for p in theirs.parameters()]
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    ours, theirs = _pair(Transposed)  # a hook sees row-major gradients (PowerSGD views them), as torch's gives them
+    seen = {}
+    for name, ddp in (("ours", ours), ("theirs", theirs)):
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=0,
+                                       min_compression_rate=0.0, use_error_feedback=False, warm_start=False)
+
+        def hook(state, bucket, name=name):
+            seen[name] = sorted((tuple(g.shape), g.stride()) for g in bucket.gradients())  # (orders differ)
+            return powersgd.powerSGD_hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        ddp(_x(world, 8)).backward()
+    out["a hook's gradients(), PowerSGD over them"] = seen["ours"] == seen["theirs"]
     ours, _ = _pair(Net)
     ours.double()  # after wrapping: the float32 buckets would have rounded the float64 gradients
     try:

@@ -190,8 +190,6 @@ def test_a_process_group_made_by_hand_is_adopted_without_the_one_process_warning
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    # On a machine with GPUs too: a gloo group made by hand trains on the CPU (it was pinned to a GPU)
-    monkeypatch.setattr(ddpkit.env, "default_device_type", lambda: "cuda")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         world = ddpkit.init_process_group()

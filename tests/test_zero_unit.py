@@ -68,8 +68,9 @@ def clip_world(world):
     for stage in (1, 2):  # the norm of the optimizer's own gradients only (stage 2 read its buckets' others too)
         norm, params = _clipped(world, stage, 2.0, head_only=True)
         out[("head only", stage)] = (plain[0], norm, max((a - b).abs().max().item() for a, b in zip(plain[1], params)))
-    for stage in (0, 1, 2):  # bf16 gradients: the norm in bf16, as torch's returns it
+    for stage in (0, 1, 2):  # bf16 and fp16 gradients: the norm in their dtype, as torch's returns it
         out[("bf16", stage)] = _clipped(world, stage, 2.0, dtype=torch.bfloat16, typed=True)
+        out[("fp16", stage)] = _clipped(world, stage, 2.0, dtype=torch.float16, typed=True)
     try:
         _clipped(world, 1, 0)
         out["zero"] = "no error"
@@ -81,7 +82,7 @@ def clip_world(world):
 def test_clip_grad_norm_over_shards_matches_torch_for_every_norm_and_a_nan():
     for got in run_world(clip_world, 2, deadline_s=120):
         for key, value in got.items():
-            if isinstance(key, tuple) and key[0] not in ("nan", "bf16"):
+            if isinstance(key, tuple) and key[0] not in ("nan", "bf16", "fp16"):
                 torch_norm, sharded_norm, param_error = value
                 assert math.isclose(torch_norm, sharded_norm, rel_tol=1e-6), (key, value)  # the sum's order
                 assert param_error <= 1e-7, (key, value)
@@ -93,6 +94,7 @@ def test_clip_grad_norm_over_shards_matches_torch_for_every_norm_and_a_nan():
         # the one rounding of the total hides the difference, and of torch's dtype
         assert got[("bf16", 1)] == got[("bf16", 2)] == got[("bf16", 0)], got
         assert got[("bf16", 0)][0] == "torch.bfloat16"
+        assert got[("fp16", 1)][0] == got[("fp16", 2)][0] == got[("fp16", 0)][0] == "torch.float16", got
 
 
 def test_state_dict_after_add_param_group_covers_the_new_group():

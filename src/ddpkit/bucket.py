@@ -152,20 +152,25 @@ class GradBucket:
     """One bucket as a comm hook sees it (the surface of torch's GradBucket)."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], buffer: torch.Tensor, comm: Comm,
-                 is_last: bool):
+                 is_last: bool, strides: list[tuple[int, ...] | None]):
         self._index = index
         self._params = params
         self._buffer = buffer
         self._is_last = is_last
         self.comm = comm
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            piece = buffer[offset:offset + p.numel()]
-            # A dense parameter's view takes its strides (torch's reducer does): autograd makes gradients in the
-            # parameter's layout (channels_last, a transpose), so they keep it in the bucket, as `.grad` too.
-            self.views.append(piece.as_strided(p.shape, p.stride()) if _dense(p) else piece.view_as(p))
+        # The reducer's views: a dense parameter's takes its strides (`strides`, as torch's reducer lays them out):
+        # autograd makes gradients in the parameter's layout (channels_last, a transpose), so they keep it in the
+        # bucket, and as `.grad` too.
+        self.views: list[torch.Tensor] = [
+            piece.view(p.shape) if stride is None else piece.as_strided(p.shape, stride)
+            for p, piece, stride in zip(params, self._pieces(), strides)]
+
+    def _pieces(self) -> list[torch.Tensor]:
+        pieces, offset = [], 0
+        for p in self._params:
+            pieces.append(self._buffer[offset:offset + p.numel()])
             offset += p.numel()
+        return pieces
 
     def index(self) -> int:
         return self._index
@@ -178,7 +183,9 @@ class GradBucket:
         self._buffer.copy_(tensor)
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self.views)
+        """torch's: each parameter's gradient as a row-major view of the buffer, whatever the parameter's layout
+        (hooks view them so: PowerSGD's `tensor.view(rows, -1)`)."""
+        return [piece.view(p.shape) for p, piece in zip(self._params, self._pieces())]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self._params)
@@ -209,6 +216,9 @@ class Bucket:
         self.usage_numel = usage_numel  # the usage flags after the padding, when the reduction carries them here
         self._storage: torch.Tensor | None = None
         self._public: GradBucket | None = None
+        # Each parameter's layout in the storage, once (stage 2 makes the storage again at every backward).
+        self._strides = [None if p.is_contiguous() and p.stride() == _row_major(p.shape) else
+                         p.stride() if _dense(p) else None for p in self.params]
 
     # -- the storage, made on demand ----------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -217,7 +227,8 @@ class Bucket:
         # the shard padding past the gradients is never written, and it must stay zero for the reduction.
         storage = torch.empty(layout.padded_numel + self.usage_numel, dtype=layout.dtype, device=layout.device)
         storage[layout.numel:].zero_()
-        self._public = GradBucket(layout.index, self.params, storage[:layout.numel], self.comm, self.is_last)
+        self._public = GradBucket(layout.index, self.params, storage[:layout.numel], self.comm, self.is_last,
+                                  self._strides)
         self._storage = storage
 
     @property
@@ -348,6 +359,14 @@ def _converted(param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> R
     return RuntimeError(f"a {tuple(param.shape)} parameter's gradient is {grad.dtype} but its bucket holds "
                         f"{view.dtype}: the model's parameters changed dtype after DistributedDataParallel wrapped "
                         "them (model.double() or .half() after wrapping). Convert the module first, then wrap it")
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -178,6 +178,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         """Rebuild on the default process group (a world of one without any), without a collective."""
         nn.Module.__setstate__(self, state)
         self.process_group = None
+        self.forward_sync_buffers = self._forward_sync_buffers  # counts the buffers (an older pickle has no count)
         self._build_engine(init_sync=False, sync_buffers_at_init=False)
 
     # -- the forward skeleton ------------------------------------------------------------------------------------

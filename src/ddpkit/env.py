@@ -294,8 +294,6 @@ def init_process_group(
         info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
         watch_parent()  # a worker must not outlive a launcher killed with SIGKILL
-    if device_type is None and adopted and dist.get_backend() in ("gloo", "mpi"):
-        device_type = "cpu"  # a CPU backend's group trains on the CPU, GPUs or not (the tests' worlds)
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if adopted:

@@ -231,7 +231,8 @@ def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: floa
     # The pieces' norms in float32 at least (a bf16 norm of each piece would round where torch's rounds each whole
     # tensor's), float64 kept; the same dtype on every rank (the units are), for the collective. The total comes
     # back in torch's dtype (the gradients' own, promoted: bf16 for bf16 gradients), and clips as torch's does.
-    exact = functools.reduce(torch.promote_types, (p.dtype for u in units for p in u.params), torch.bfloat16)
+    dtypes = [p.dtype for u in units for p in u.params]
+    exact = functools.reduce(torch.promote_types, dtypes[1:], dtypes[0]) if dtypes else torch.float32
     wide = torch.promote_types(exact, torch.float32)
     device = units[0].params[0].device if units else torch.device("cpu")
     extreme = torch.amax if norm_type > 0 else torch.amin  # the inf-norms: the largest or smallest |element|
