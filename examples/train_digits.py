@@ -1,6 +1,6 @@
 """Classify scikit-learn's bundled 8x8 digits with ddpkit's Trainer: the smallest real data-parallel run.
 
-    torchrun --nproc_per_node=2 examples/train_digits.py                        # 2 CPU processes, about a minute
+    torchrun --nproc_per_node=2 examples/train_digits.py                        # 2 CPU processes, about 10 s
     python examples/train_digits.py                                             # the same on one process
     torchrun --nproc_per_node=2 examples/train_digits.py --resume_from_checkpoint true   # continue the last run
     python examples/train_digits.py --help                                      # every TrainingArguments flag

@@ -17,7 +17,8 @@ a noisy machine slows all three alike; a barrier lines the ranks up before every
 Rank 0's numbers are reported: each variant's median step time over all rounds, and each ratio as the median
 of the per-round ratios [min-max]. The `cpu` columns are the same ratios of process CPU time, which leaves out
 time spent descheduled and so moves less when other jobs share the cores (but also leaves out waiting for the
-other ranks). In a world of one ddpkit's wrapper does no work, so ddpkit/bare there should be within 2%.
+other ranks). In a world of one ddpkit's wrapper does no work, so ddpkit/bare there should be level
+(within the noise, about 5%).
 With --compile every variant is torch.compile'd (the wrapper, not the module inside it), and both wrappers let
 Dynamo's DDPOptimizer split the graph at their bucket boundaries.
 
