@@ -314,11 +314,12 @@ def pad_collate(samples):
 
 
 def trainer_args(out, **kw):
-    """TrainingArguments for the small test runs: logs every step, saves nothing, constant learning rate."""
+    """TrainingArguments for the small test runs: logs every step, saves nothing, constant learning rate, on the
+    CPU (the worlds are gloo's; on a machine with GPUs the Trainer would otherwise pin one per rank)."""
     from ddpkit.args import TrainingArguments
 
     base = dict(output_dir=str(out), learning_rate=0.05, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                seed=7, ddp_timeout=60, lr_scheduler_type="constant")
+                seed=7, ddp_timeout=60, lr_scheduler_type="constant", use_cpu=True)
     return TrainingArguments(**{**base, **kw})
 
 

@@ -103,7 +103,7 @@ INVALID = [
     ("max_grad_norm", dict(max_grad_norm=-1.0)),
     ("max_steps", dict(max_steps=0)),
     ("num_train_epochs", dict(num_train_epochs=0)),
-    ("lr_scheduler_type", dict(lr_scheduler_type="polynomial")),
+    ("lr_scheduler_type", dict(lr_scheduler_type="warmup_stable_decay")),
     ("warmup_steps", dict(warmup_steps=-1)),
     ("warmup_steps", dict(warmup_steps=2.5)),
     ("warmup_ratio", dict(warmup_ratio=1.5)),
@@ -165,7 +165,7 @@ def test_nccl_without_cuda_fails_on_the_command_line_before_any_process_group(ca
     (["--learning_rate", "fast"], "learning_rate"),
     (["--max_steps", "2.5"], "max_steps"),
     (["--bf16", "maybe"], "bf16"),
-    (["--lr_scheduler_type", "polynomial"], "lr_scheduler_type"),
+    (["--lr_scheduler_type", "warmup_stable_decay"], "lr_scheduler_type"),
     (["--gradient_checkpointing", "--ddp_find_unused_parameters", "true"], "ddp_find_unused_parameters"),
     (["--no_such_flag", "1"], "no_such_flag"),
 ])
@@ -332,3 +332,32 @@ def test_fp16_on_a_cpu_fails_on_the_command_line_suggesting_bf16(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--fp16" in err and "CUDA" in err and "bf16" in err
+
+
+def test_the_transformers_fields_users_set_take_its_defaults_and_are_checked(tmp_path):
+    """logging_strategy, logging_first_step, lr_scheduler_kwargs, use_cpu, label_names, eval_on_start,
+    save_only_model and remove_unused_columns: Transformers' defaults, JSON from the command line, bad values named."""
+    import transformers
+
+    ours, theirs = TrainingArguments(output_dir=str(tmp_path)), transformers.TrainingArguments(str(tmp_path))
+    for name in ("logging_strategy", "logging_first_step", "lr_scheduler_kwargs", "use_cpu", "label_names",
+                 "eval_on_start", "save_only_model", "remove_unused_columns"):
+        assert getattr(ours, name) == getattr(theirs, name) or (name, getattr(theirs, name)) == (
+            "logging_strategy", transformers.IntervalStrategy.STEPS), name
+    (parsed,) = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs",
+         '{"lr_end": 1e-6, "power": 2}', "--logging_strategy", "epoch", "--label_names", "labels", "extra",
+         "--no_remove_unused_columns", "--save_only_model", "--eval_on_start", "--logging_first_step"])
+    assert parsed.lr_scheduler_kwargs == {"lr_end": 1e-6, "power": 2} and parsed.label_names == ["labels", "extra"]
+    assert (parsed.logging_strategy, parsed.remove_unused_columns, parsed.save_only_model) == ("epoch", False, True)
+    assert parsed.eval_on_start and parsed.logging_first_step
+    for bad, message in ((dict(logging_strategy="sometimes"), "logging_strategy: must be one of"),
+                         (dict(lr_scheduler_kwargs="{nope"), "lr_scheduler_kwargs: must be a JSON object"),
+                         (dict(lr_scheduler_kwargs={"power": 2}), "linear takes none; unknown: \\['power'\\]"),
+                         (dict(lr_scheduler_type="polynomial", lr_scheduler_kwargs={"lr_end": 1.0}),
+                          "lr_end \\(1.0\\) must be below learning_rate"),
+                         (dict(lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 0}),
+                          "timescale must be >= 1"),
+                         (dict(label_names=[3]), "label_names: must be a list")):
+        with pytest.raises(ArgumentError, match=message):
+            TrainingArguments(output_dir=str(tmp_path), **bad)

@@ -149,7 +149,9 @@ def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     (seen0, decided0, lonely0, params0, acc0, in0, waited0), (seen1, decided1, lonely1, params1, acc1, in1, _) = results
     # In flight at every step's end, and read as they are after the step (a stale read is ~lr off, 1e-3).
     assert waited0[0] == [True] * 4 and waited0[1] <= 1e-12, waited0
-    assert seen0 == seen1  # every event on every rank, at the same steps
+    # Every event on every rank, at the same steps, but the prediction steps: evaluation hands out whole batches
+    # of one process's (so that eval_loss is one process's), and the 6 samples are one batch, rank 0's.
+    assert [e for e in seen0 if e[0] != "on_prediction_step"] == seen1
     names = [e[0] for e in seen0]
     assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]
     assert names[-1] == "on_train_end" and names.count("on_step_end") == 8 and names.count("on_save") == 2
@@ -157,10 +159,10 @@ def test_events_in_order_and_the_control_is_rank_zeros(tmp_path):
     assert step4 == [("on_step_end", 4), ("on_log", 4, "loss"), ("on_log", 4, "eval_loss"),
                      ("on_evaluate", 4, "eval_loss"), ("on_save", 4), ("on_step_begin", 4),
                      ("on_pre_optimizer_step", 4), ("on_optimizer_step", 4)]
-    # 6 evaluation samples, 3 on each rank: one batch of the default per_device_eval_batch_size (8) at steps 4, 8.
+    # 6 evaluation samples: one batch of the default per_device_eval_batch_size (8) at steps 4, 8, on rank 0.
     assert [e[1:] for e in seen0 if e[0] == "on_prediction_step"] == [(4, True), (8, True)]
     # Accumulation over 3 micro-batches: Transformers' order of the events inside each step, on every rank.
-    assert acc0 == acc1
+    assert [e for e in acc0 if e[0] != "on_prediction_step"] == [e for e in acc1 if e[0] != "on_prediction_step"]
     inside = [e[0] for e in acc0 if e[0] not in ("on_init_end", "on_train_begin", "on_epoch_begin")]
     assert inside[:7] == ["on_step_begin", "on_substep_end", "on_substep_end", "on_pre_optimizer_step",
                           "on_optimizer_step", "on_step_end", "on_log"], inside

@@ -3,6 +3,7 @@ Trainer.predict over the ranks against one process's forward on the whole set.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import Classifier, accuracy, classification_data, run_world, trainer_args
@@ -14,8 +15,9 @@ from ddpkit.trainer import Trainer, TrainerCallback
 
 def one_sample_world(world, out):
     torch.manual_seed(0)
-    trainer = Trainer(Classifier().double(), trainer_args(out, max_steps=1), classification_data(8),
-                      classification_data(1, seed=1), compute_metrics=accuracy)
+    trainer = Trainer(Classifier().double(), trainer_args(out, max_steps=1, per_device_eval_batch_size=2),
+                      classification_data(8),
+                      eval_dataset=classification_data(1, seed=1), compute_metrics=accuracy)
     trainer.train()
     metrics = trainer.evaluate()
     sample = classification_data(1, seed=1)[0]
@@ -45,7 +47,8 @@ class AsTuple(Classifier):
 
 
 def predictions(trainer, out):
-    """predict on 7 samples (4 and 3 per rank), with labels and without, against one process's forward on all 7;
+    """predict on 7 samples (batches of 2: 0-1 and 4-5 on rank 0, 2-3 and 6 on rank 1), with labels and without,
+    against one process's forward on all 7;
     on 1 sample (rank 1 holds none); a tuple model, bfloat16 autocast, and labels on one rank's samples only."""
     callback = Predicted()
     trainer.add_callback(callback)
@@ -71,7 +74,7 @@ def predictions(trainer, out):
     floats = [{**s, "x": s["x"].float()} for s in test]  # autocast runs float32 layers in bfloat16
     in_bf16 = Trainer(Classifier(), trainer_args(f"{out}/bf16", bf16=True)).predict(floats).predictions
     found["bf16"] = (in_bf16.dtype, np.abs(in_bf16 - found["tuple truth"]).max())
-    halves = [s if i % 2 == 0 else {"x": s["x"]} for i, s in enumerate(test)]  # rank 0's labelled, rank 1's not
+    halves = [s if i // 2 % 2 == 0 else {"x": s["x"]} for i, s in enumerate(test)]  # rank 0's labelled, 1's not
     try:
         trainer.predict(halves)
         found["halves"] = "no error"
@@ -98,9 +101,9 @@ def check_predictions(pred0, pred1):
         np.testing.assert_array_equal(by_position, predicted)
         assert no_ids is None and abs(position_metrics["test_loss"] - pred0["loss"]) < 1e-12
         assert "test_accuracy" not in position_metrics
-        # on_predict got each call's metrics; a batch per call on each rank (rank 1 held none of the one sample).
+        # on_predict got each call's metrics; two batches per call of 7 on each rank, and the one sample's on rank 0.
         assert pred["seen"][:2] == [sorted(metrics), sorted(bare_metrics)] and len(pred["seen"]) == 4
-        assert pred["batches"] == (3 if pred is pred1 else 4)
+        assert pred["batches"] == (6 if pred is pred1 else 7)
         # A tuple without a loss: its first element is the logits; bfloat16 ones come as float32.
         np.testing.assert_allclose(pred["tuple"], pred["tuple truth"], rtol=0, atol=1e-12)
         assert pred["bf16"][0] == np.float32 and pred["bf16"][1] < 0.05
@@ -123,3 +126,63 @@ def test_evaluation_at_is_the_evaluation_logged_at_that_step():
                                       {"eval_loss": 0.4, "step": 4}, {"train_loss": 0.9, "step": 4}])
     assert state.evaluation_at(2) == {"eval_loss": 0.5, "step": 2}
     assert state.evaluation_at(4)["eval_loss"] == 0.4 and state.evaluation_at(3) is None
+
+
+# -- eval_loss on Transformers' scale, and a dict of evaluation sets ------------------------------------------------
+def gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+def padded_sequences(n=7):
+    """Rows of 12 tokens whose labels end in -100 padding after 3, 4, ... tokens: batches of unequal token counts."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 50, (12,), generator=g)
+        labels = ids.clone()
+        labels[3 + i:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def gpt2_eval_world(world, out):
+    trainer = Trainer(gpt2(), trainer_args(out, per_device_eval_batch_size=2))
+    return trainer.evaluate(padded_sequences())["eval_loss"]
+
+
+def test_eval_loss_is_transformers_on_any_world_size(tmp_path):
+    """Transformers 5 evaluates a model that takes num_items_in_batch with each batch's own label count, and
+    weights each batch's loss by its samples: a GPT2LMHeadModel's eval_loss is then not the token mean (its loss
+    sums over shifted labels but is divided by the unshifted count). ddpkit's was the token mean, 20% off; on 2
+    ranks it must be the single-process value too, every batch being one process's."""
+    import transformers
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2,
+                                          use_cpu=True, report_to="none", disable_tqdm=True)
+    theirs = transformers.Trainer(model=gpt2(), args=args).evaluate(padded_sequences())["eval_loss"]
+    (one,) = run_world(gpt2_eval_world, world_size=1, args=(str(tmp_path / "one"),))
+    two = run_world(gpt2_eval_world, world_size=2, args=(str(tmp_path / "two"),))
+    assert one == pytest.approx(theirs, rel=1e-6)  # Transformers averages in float32
+    assert two[0] == pytest.approx(two[1], rel=1e-12) and two[0] == pytest.approx(theirs, rel=1e-6)
+
+
+def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world):
+    """As Transformers: eval_<name>_loss per set, in training's evaluations and in evaluate(); ignore_keys taken."""
+    torch.manual_seed(0)
+    sets = {"a": classification_data(4, seed=1), "b": classification_data(5, seed=2)}
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
+                      classification_data(8), eval_dataset=sets)
+    trainer.train()
+    logged = [sorted(k for k in e if k.endswith("_loss")) for e in trainer.state.log_history if "eval_a_loss" in e
+              or "eval_b_loss" in e]
+    assert logged == [["eval_a_loss"], ["eval_b_loss"]] * 2  # steps 1 and 2; none again at the end
+    metrics = trainer.evaluate(ignore_keys=["hidden"])
+    assert metrics["eval_a_loss"] == trainer.evaluate(sets["a"])["eval_loss"] and "eval_b_runtime" in metrics
+    assert sorted(trainer.evaluate({"c": sets["b"]}, metric_key_prefix="x")) == [
+        "epoch", "x_c_loss", "x_c_runtime", "x_c_samples_per_second", "x_c_steps_per_second"]
+    assert trainer.predict(sets["a"], ignore_keys=["hidden"]).predictions.shape == (4, 3)

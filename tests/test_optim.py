@@ -174,3 +174,29 @@ def test_a_run_resumed_with_sgd_or_adafactor_under_zero_is_the_uninterrupted_one
         for optim, (full, again) in rank.items():
             for x, y in zip(full, again):
                 np.testing.assert_array_equal(x, y, err_msg=optim)  # momentum and row/column statistics restored
+
+
+@pytest.mark.parametrize("name, kwargs", [("cosine", {"num_cycles": 1.5}), ("cosine_with_restarts", {}),
+                                          ("cosine_with_restarts", {"num_cycles": 3}), ("polynomial", {}),
+                                          ("polynomial", {"lr_end": 1e-3, "power": 2.0}), ("inverse_sqrt", {}),
+                                          ("inverse_sqrt", {"timescale": 7})])
+def test_the_schedules_and_their_kwargs_are_transformers(name, kwargs):
+    """lr_scheduler_kwargs reach the schedule, whose rates are Transformers' at every step (warmup and past the
+    end included)."""
+    import transformers
+
+    from ddpkit.optim import get_scheduler
+
+    def rates(make):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        sched, out = make(opt), []
+        for _ in range(25):
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+
+    ours = rates(lambda opt: get_scheduler(name, opt, 3, 20, kwargs))
+    theirs = rates(lambda opt: transformers.get_scheduler(name, opt, num_warmup_steps=3, num_training_steps=20,
+                                                          scheduler_specific_kwargs=kwargs))
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)

@@ -53,7 +53,14 @@ class TrainingArguments:
     warmup_steps: float = _field(0, "Linear warmup steps from 0 to learning_rate (a float < 1: a fraction of the "
                                     "total steps, as in Transformers 5); overrides warmup_ratio.")
     warmup_ratio: float = _field(0.0, "Linear warmup as a fraction of the total optimizer steps.")
+    lr_scheduler_kwargs: dict | str | None = _field(None, "Extra arguments of the schedule, a dict (JSON on the "
+                                                        "command line): polynomial takes lr_end (1e-7) and power "
+                                                        "(1.0), inverse_sqrt timescale (default: the warmup steps, "
+                                                        "or 10000), cosine and cosine_with_restarts num_cycles.")
+    logging_strategy: str = _field("steps", "When to log the training loss: no, steps (every logging_steps) or "
+                                            "epoch (at each epoch's end).", choices=STRATEGIES)
     logging_steps: float = _field(500, "Log every N optimizer steps (a float < 1: a fraction of the total).")
+    logging_first_step: bool = _field(False, "Also log the loss of the first optimizer step.")
     eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
     eval_steps: float | None = _field(None, "Evaluate every N optimizer steps; defaults to logging_steps.")
     save_strategy: str = _field("steps", "When to checkpoint: no, steps (every save_steps) or epoch.",
@@ -67,6 +74,16 @@ class TrainingArguments:
                                                      "left out); default: loss when load_best_model_at_end.")
     greater_is_better: bool | None = _field(None, "Whether a larger metric_for_best_model is better; default: "
                                                   "False when the metric ends in 'loss', True otherwise.")
+    eval_on_start: bool = _field(False, "Evaluate once before the first step (a sanity check of the evaluation).")
+    save_only_model: bool = _field(False, "Checkpoints hold the model weights and the run's progress only: no "
+                                          "optimizer, schedule, gradient scaler or RNG state. Smaller, but a "
+                                          "run cannot resume from them (ddpkit refuses to).")
+    remove_unused_columns: bool = _field(True, "Drop the keys of mapping samples that model.forward does not "
+                                               "take (but label, label_ids and label_names) before collating.")
+    label_names: list[str] | None = _field(None, "Batch keys that hold labels, kept by remove_unused_columns "
+                                                 "whatever model.forward takes (ddpkit reads the labels of the "
+                                                 "loss's items and of label_ids from 'labels').")
+    use_cpu: bool = _field(False, "Train on the CPU (gloo) even where an accelerator is visible.")
     seed: int = _field(42, "Random seed set on every process at the start (model init, dropout).")
     data_seed: int | None = _field(None, "Seed of the data shuffling; defaults to seed.")
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
@@ -127,6 +144,10 @@ class TrainingArguments:
             self.report_to = ["none"]
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "latest"):
             self.resume_from_checkpoint = True  # type: ignore[assignment]  # the newest in output_dir
+        if isinstance(self.lr_scheduler_kwargs, str):  # from the command line: JSON, as Transformers reads it
+            self.lr_scheduler_kwargs = _json_dict("lr_scheduler_kwargs", self.lr_scheduler_kwargs)
+        if isinstance(self.label_names, str):
+            self.label_names = [self.label_names]
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
         if self.load_best_model_at_end and self.metric_for_best_model is None:
@@ -183,6 +204,17 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _json_dict(name: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ArgumentError(name, f"must be a JSON object such as '{{\"power\": 2.0}}' ({exc.msg}; got "
+                                  f"{text!r})") from None
+    if not isinstance(value, dict):
+        raise ArgumentError(name, f"must be a JSON object (a dict), got {text!r}")
+    return value
 
 
 # -- command line ---------------------------------------------------------------------------------------------

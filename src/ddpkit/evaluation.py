@@ -1,8 +1,8 @@
 """Evaluation over the ranks: every sample exactly once, the loss summed over the ranks, and the predictions for
 compute_metrics gathered back into dataset order.
 
-    indices = shard(len(dataset), world.rank, world.world_size)
-    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, inputs, items)
+    indices = shard(len(dataset), world.rank, world.world_size, batch_size)
+    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, inputs, samples)
     metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)
 """
 
@@ -40,34 +40,47 @@ def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: i
     metrics[f"{prefix}_steps_per_second"] = math.ceil(samples / global_batch) / max(runtime, 1e-9)
 
 
-def shard(n: int, rank: int, world_size: int) -> list[int]:
-    """Rank r's samples: r, r+N, r+2N, ...; no padding, so no sample is counted twice."""
-    return list(range(rank, n, world_size))
+def shard(n: int, rank: int, world_size: int, batch_size: int = 1) -> list[int]:
+    """Rank r's samples: the batches of `batch_size` consecutive samples one process would evaluate (0..b-1,
+    b..2b-1, ...), batch k to rank k % world_size; no padding, so no sample is counted twice. Only the last batch
+    of all may be short, so a rank's loader, batching its list by batch_size, makes exactly these batches."""
+    starts = range(rank * batch_size, n, world_size * batch_size)
+    return [i for start in starts for i in range(start, min(start + batch_size, n))]
 
 
 @dataclasses.dataclass
 class Part:
-    """One rank's share of an evaluation."""
+    """One rank's share of an evaluation.
 
-    loss_sum: float = 0.0  # the batches' mean losses times their items, in float64 as the sums over ranks are
-    items: float = 0.0  # of the batches that had a loss (predict's batches without labels have none)
+    The loss is Transformers' eval_loss: each batch's loss weighted by its samples (its evaluation_loop repeats a
+    batch's loss batch-size times, gather_for_metrics cutting the last batch's copies to the samples it holds),
+    then the mean over all samples; a batch whose loss is not finite is left out, as logging_nan_inf_filter (on
+    by default there) leaves it out, unless every batch's is."""
+
+    loss_sum: float = 0.0  # finite batch losses times their samples, in float64 as the sums over ranks are
+    samples: float = 0.0  # of the batches with a finite loss (predict's batches without labels have none)
+    bad_sum: float = 0.0  # the same for the batches whose loss is nan or inf
+    bad_samples: float = 0.0
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
     labels: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
-ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, inputs, items) of one batch
+ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, inputs, samples) of one batch
 Forward = Callable[[Any], ForwardResult]
 
 
 def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> Part:
-    """Run `forward` on every batch; sum the losses weighted by items (a loss of None: a batch without labels,
+    """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
     left out), keep logits and labels if wanted."""
     part = Part()
     for batch in batches:
-        loss, outputs, inputs, items = forward(batch)
+        loss, outputs, inputs, samples = forward(batch)
         if loss is not None:
-            part.loss_sum += loss.double().item() * items
-            part.items += items
+            value = loss.double().item()
+            if math.isfinite(value):
+                part.loss_sum, part.samples = part.loss_sum + value * samples, part.samples + samples
+            else:
+                part.bad_sum, part.bad_samples = part.bad_sum + value * samples, part.bad_samples + samples
         if want_predictions:
             logits = model_io.logits_of(outputs, with_loss=loss is not None).detach()
             # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
@@ -103,9 +116,12 @@ def predictions_over_ranks(comm: Comm, part: Part, indices: list[int], prefix: s
 
 
 def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) -> tuple[float, float]:
-    """The mean loss over every rank's items, and how many items there were."""
-    loss_sum, items = sum_over_ranks(comm, [part.loss_sum, part.items], f"{prefix} loss", device)
-    return loss_sum / max(items, 1.0), items
+    """The mean loss over every rank's samples (Part says how), and how many samples had a loss."""
+    loss_sum, samples, bad_sum, bad_samples = sum_over_ranks(
+        comm, [part.loss_sum, part.samples, part.bad_sum, part.bad_samples], f"{prefix} loss", device)
+    if samples:
+        return loss_sum / samples, samples
+    return (bad_sum / bad_samples if bad_samples else 0.0), bad_samples
 
 
 def _prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:

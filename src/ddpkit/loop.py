@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 class TrainingLoop:
     def __init__(self, trainer: Trainer, sampler: Any, progress: Progress):
         self.trainer, self.sampler, self.progress = trainer, sampler, progress
+        self.last: tuple[float, float] | None = None  # the last step's (grad_norm, learning_rate), for an epoch's log
 
     def run(self, sampler_state: dict | None) -> None:
         """Epochs until max_steps, the plan's epochs (one a callback ended early counts, as in Transformers), a stop
@@ -52,6 +53,12 @@ class TrainingLoop:
                 self.sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
             t._fire("on_epoch_end")
             t._agreement.settle(t.control, "epoch end")
+            # logging_strategy "epoch" (or a callback's should_log): the loss since the last log, before the
+            # epoch's evaluation, as Transformers logs, evaluates and saves; never twice for one step.
+            if (t.args.logging_strategy == "epoch" or t.control.should_log) and self.last is not None and \
+                    not t.state.logged_at("loss", t.state.global_step):
+                self.log_loss(*self.last)
+            t.control.should_log = False
             t._maybe_evaluate_and_save(self.sampler, step_end=False)
             if not ended:
                 break  # max_steps reached inside the epoch, or a callback stopped training
@@ -115,19 +122,28 @@ class TrainingLoop:
         t._loss.settle(window.previous_loss)
         return window
 
+    def log_loss(self, grad_norm: float, learning_rate: float) -> None:
+        """Log the mean loss since the last log (summed over the ranks), with the last step's norm and rate."""
+        t = self.trainer
+        t._loss.settle_now(t.comm, t.world, "logged loss")
+        t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": learning_rate,
+               "samples_per_second": self.progress.clock.lap()})
+        t._agreement.settle(t.control, f"the log of step {t.state.global_step}")  # what on_log asked is rank 0's too
+
     def after_step(self, step_loss: torch.Tensor, grad_norm: float, samples: int, learning_rate: float) -> None:
         """The progress bar, the logged loss (when due, or asked by a callback) and the replica check."""
         t, run = self.trainer, self.progress
         run.step(samples)
         t._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
-        step = t.state.global_step
-        logging = step % t.state.logging_steps == 0 or step == t.state.max_steps or t.control.should_log
+        step, args = t.state.global_step, t.args
+        # Transformers' DefaultFlowCallback: every logging_steps under "steps", and step 1 with logging_first_step;
+        # ddpkit also logs the last step under "steps" (README), so a run's log ends on its last loss.
+        by_steps = args.logging_strategy == "steps" and (step % t.state.logging_steps == 0 or step == t.state.max_steps)
+        logging = by_steps or (step == 1 and args.logging_first_step) or t.control.should_log
         t.control.should_log = False
+        self.last = (grad_norm, learning_rate)
         if logging:
-            t._loss.settle_now(t.comm, t.world, "logged loss")
-            t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": learning_rate,
-                   "samples_per_second": run.clock.lap()})
-            t._agreement.settle(t.control, f"the log of step {step}")  # what on_log asked is rank 0's too
+            self.log_loss(grad_norm, learning_rate)
         run.show(t.state.last_logged("loss"), logged=logging)
         every = t.args.ddp_replica_check_steps
         ddp = ddp_of(t.model_wrapped)  # torch_compile: the wrapper inside the compiled module

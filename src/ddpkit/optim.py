@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from .args import ArgumentError, TrainingArguments
-from .validation import parse_optim_args
+from .validation import SCHEDULERS, parse_optim_args
 from .zero_trainer import apply_zero
 
-SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULES = SCHEDULERS
 
 
 def optimizer_class(args: TrainingArguments) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -65,23 +65,44 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int 
     return apply_zero([g for g in groups if g["params"]], stage, cls, **options)
 
 
-def get_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int,
-                  total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The Transformers schedules: a linear warmup from 0, then linear or cosine decay to 0, or constant."""
+def get_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  scheduler_kwargs: dict[str, Any] | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """The Transformers schedules: a linear warmup from 0 (none for constant), then the schedule's factor of the
+    learning rate. scheduler_kwargs are lr_scheduler_kwargs, with Transformers' defaults."""
+    if name not in SCHEDULES:
+        raise ArgumentError("lr_scheduler_type", f"unknown schedule {name!r}")
+    kw = dict(scheduler_kwargs or {})
+    decay = _decay(name, kw, optimizer.defaults["lr"], warmup_steps)
 
     def factor(step: int) -> float:
         if name != "constant" and step < warmup_steps:
             return step / max(1, warmup_steps)
-        if name in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        if name == "linear":
-            return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine: half a period, 1 -> 0
+        return decay(step, (step - warmup_steps) / max(1, total_steps - warmup_steps), total_steps)
 
-    if name not in SCHEDULES:
-        raise ArgumentError("lr_scheduler_type", f"unknown schedule {name!r}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _decay(name: str, kw: dict[str, Any], lr: float, warmup_steps: int):
+    """The factor after warmup, of (step, progress from 0 to 1 over the steps after warmup, total steps)."""
+    if name in ("constant", "constant_with_warmup"):
+        return lambda step, progress, total: 1.0
+    if name == "linear":
+        return lambda step, progress, total: max(0.0, 1.0 - progress)
+    if name == "cosine":  # num_cycles 0.5: half a period, 1 -> 0
+        cycles = kw.get("num_cycles", 0.5)
+        return lambda step, progress, total: max(0.0, 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
+    if name == "cosine_with_restarts":  # num_cycles half-periods from 1 to 0, each starting again at 1
+        cycles = kw.get("num_cycles", 1)
+        return lambda step, progress, total: 0.0 if progress >= 1.0 else max(
+            0.0, 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0))))
+    if name == "polynomial":
+        # From lr to lr_end as (1 - progress) ** power, then lr_end; a factor of lr, which LambdaLR multiplies in.
+        lr_end, power = kw.get("lr_end", 1e-7), kw.get("power", 1.0)
+        return lambda step, progress, total: (lr_end if step > total else (lr - lr_end) * (
+            1 - progress) ** power + lr_end) / lr
+    # inverse_sqrt: 1 at the end of warmup, then sqrt(timescale / (step - warmup + timescale))
+    timescale = kw.get("timescale") or warmup_steps or 10_000
+    return lambda step, progress, total: 1.0 / math.sqrt((step + timescale - warmup_steps) / timescale)
 
 
 __all__ = ["create_optimizer", "get_scheduler", "optimizer_class"]

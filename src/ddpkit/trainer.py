@@ -20,8 +20,9 @@ Its parts live beside it: the order of epochs, steps and events (loop.py), the m
 plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
 evaluate and predict (trainer_eval.py, evaluation.py), which checkpoint to resume from (resume.py), writing
 checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs,
-progress bar and loss curve (report.py), optimizer and schedules (optim.py), the shapes of batches and outputs
-(model_io.py), trainer_state.json (state.py), the timeline (timeline.py); every collective is a comm.py agreement.
+progress bar and loss curve (report.py), optimizer and schedules (optim.py), the default collator and
+remove_unused_columns (collator.py), the shapes of batches and outputs (model_io.py), trainer_state.json
+(state.py), the timeline (timeline.py); every collective is a comm.py agreement.
 """
 
 from __future__ import annotations
@@ -35,23 +36,24 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 
 from . import checkpoint, model_io, optim, resume, runs, step
 from .best import BestModel
+from .collator import default_data_collator, without_unused_columns
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments
 from .comm import Comm, barrier, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
-from .plan import SavedPlan, check_train_data, due, epochs_to_train, plan_for
+from .plan import SavedPlan, check_train_data, epochs_to_train, plan_for
 from .loop import TrainingLoop, saved_rest
 from .report import Progress, Reporter, write_loss_curve
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
-from .timeline import CHECKPOINT, EVALUATION, attach_timeline
+from .timeline import attach_timeline
 from .trainer_eval import EvaluationMixin
 from .window import StopRequest, Window
 from .wrap import prepare_model
@@ -81,6 +83,7 @@ class Trainer(EvaluationMixin):
                  callbacks: list[TrainerCallback] | None = None):
         self.args = args
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
+                                                 device_type="cpu" if args.use_cpu else None,
                                                  stall_seconds=args.ddp_stall_seconds)
         self.comm = Comm.for_group()
         # SIGTERM or the first Ctrl-C set it while training; the ranks agree on it at the next window.
@@ -96,7 +99,7 @@ class Trainer(EvaluationMixin):
         if args.eval_strategy != "no" and eval_dataset is None:  # as Transformers: it would never evaluate
             raise ArgumentError("eval_strategy", f"is {args.eval_strategy!r} but the Trainer got no eval_dataset; "
                                 "pass one, or set eval_strategy to 'no'")
-        self.data_collator = data_collator or default_collate
+        self.data_collator = data_collator or default_data_collator  # Transformers' default_data_collator's rules
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
@@ -135,15 +138,21 @@ class Trainer(EvaluationMixin):
         # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
         generator = torch.Generator().manual_seed(_data_seed(self.args) + epoch)
         return DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size, sampler=sampler,
-                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                          collate_fn=self._collate(), num_workers=self.args.dataloader_num_workers,
                           drop_last=self.args.dataloader_drop_last, generator=generator,
                           pin_memory=self.world.device.type == "cuda")
 
     def get_eval_dataloader(self, dataset: Dataset, indices: list[int]) -> DataLoader:
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=indices,
-                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                          collate_fn=self._collate(), num_workers=self.args.dataloader_num_workers,
                           generator=torch.Generator().manual_seed(_data_seed(self.args)))
+
+    def _collate(self) -> Callable:
+        """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""
+        if not self.args.remove_unused_columns:
+            return self.data_collator
+        return without_unused_columns(self.data_collator, self.model, self.args.label_names)
 
     def create_optimizer(self) -> torch.optim.Optimizer:
         """args.optim; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
@@ -154,7 +163,8 @@ class Trainer(EvaluationMixin):
     def create_scheduler(self, total_steps: int) -> Any:
         if self.lr_scheduler is None:
             self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, self.optimizer,
-                                              self.args.warmup_steps_for(total_steps), total_steps)
+                                              self.args.warmup_steps_for(total_steps), total_steps,
+                                              self.args.lr_scheduler_kwargs)
             self._made_scheduler = True
         return self.lr_scheduler
 
@@ -232,6 +242,8 @@ class Trainer(EvaluationMixin):
         self.control.should_training_stop = False
         self._fire("on_train_begin")
         self._agreement.settle(self.control, "train begin")
+        if self.args.eval_on_start:  # as Transformers: after on_train_begin, before the first step
+            self.evaluate()
         with self._stop:
             TrainingLoop(self, sampler, run).run(sampler_state)
             run.bar.close()
@@ -254,6 +266,11 @@ class Trainer(EvaluationMixin):
 
     def _resume(self, path: str) -> dict | None:
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
+        if not os.path.isfile(os.path.join(path, checkpoint.OPTIMIZER_FILE)) and not checkpoint.shard_files(path):
+            # Transformers resumes from one with a new optimizer and its schedule back at step 0: another run.
+            raise checkpoint.CheckpointError(
+                f"{path} holds no optimizer state (saved with save_only_model?), so training cannot go on from it "
+                "as the run would have; load its weights into the model and train afresh, without resume")
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
                                                       scheduler=self.lr_scheduler, world=self.world,
                                                       scaler=self.precision.scaler, comm=self.comm)
@@ -313,7 +330,7 @@ class Trainer(EvaluationMixin):
     def _filler(self) -> Any:
         """A batch for a rank that never had one: the first sample of the dataset (weighted zero anyway)."""
         if self._last_batch is None:
-            self._last_batch = self.data_collator([self.train_dataset[0]])
+            self._last_batch = self._collate()([self.train_dataset[0]])
         return self._last_batch
 
     def _prepare_inputs(self, batch: Any) -> Any:
@@ -323,34 +340,14 @@ class Trainer(EvaluationMixin):
         return self.lr_scheduler.get_last_lr()[0]
 
     # -- evaluation, saving ----------------------------------------------------------------------------------------
-    def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
-        step = self.state.global_step
-        moment = "step" if step_end else "final" if final else "epoch"
-        evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
-                             self.state.save_steps, evaluated=self.state.logged_at("eval_loss", step))
-        evaluate = evaluate or self.control.should_evaluate  # the control is agreed
-        self.control.should_evaluate = False
-        if evaluate and self.eval_dataset is not None:
-            metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
-            if self.best is not None:
-                self.best.note_evaluation(self.state, metrics)
-            # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
-            self._agreement.settle(self.control, f"after the evaluation of step {step}")
-        save = save or self.control.should_save
-        self.control.should_save = False
-        if final and save:
-            save = not self.saves.exists(step)
-        if save:
-            self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
-            self._agreement.settle(self.control, f"after the save of step {step}")  # what on_save asked
-
     def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self._loss.save_into(self.state)
         self.state.stateful_callbacks = self.callback_handler.export_states()
-        folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer,
-                                 scheduler=self.lr_scheduler, sampler_state=sampler.state_dict(),
-                                 scaler=self.precision.scaler)
+        whole = not self.args.save_only_model  # save_only_model: weights and progress, no optimizer or schedule
+        folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer if whole else None,
+                                 scheduler=self.lr_scheduler if whole else None, sampler_state=sampler.state_dict(),
+                                 scaler=self.precision.scaler if whole else None)
         self._fire("on_save")
         return folder
 

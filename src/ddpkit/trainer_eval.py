@@ -1,25 +1,41 @@
 """The Trainer's evaluate and predict: every sample once over the ranks, the model in eval mode (the arithmetic
-over the ranks is ddpkit.evaluation's). A mixin of ddpkit.trainer.Trainer, whose state it reads: args, world,
-comm, model, precision, compute_loss, compute_metrics, the eval dataset and loader, its callbacks and its log.
+over the ranks is ddpkit.evaluation's), and the evaluations and saves a training run schedules. A mixin of
+ddpkit.trainer.Trainer, whose state it reads: args, world, comm, model, precision, compute_loss, compute_metrics,
+the eval dataset and loader, its callbacks, saves and its log.
+
+    trainer.evaluate()                                   # eval_loss, ...; a dict eval_dataset: eval_<name>_loss, ...
+    trainer.evaluate({"a": ds_a, "b": ds_b})             # each set alone, as Transformers' Trainer
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from . import evaluation, model_io
+from .plan import due
 from .state import PredictionOutput
+from .timeline import CHECKPOINT, EVALUATION
 
 
 class EvaluationMixin:
-    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank."""
+    def evaluate(self, eval_dataset: Dataset | Mapping[str, Dataset] | None = None,
+                 ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank. A dict of
+        datasets is evaluated one set at a time, each with the prefix f"{metric_key_prefix}_{name}" and its own
+        log and on_evaluate; the merged metrics come back. ignore_keys: as predict's."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, Mapping):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        _check_ignore_keys(ignore_keys)
         part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", self._evaluation_forward,
                                             self.compute_metrics is not None)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
@@ -34,9 +50,7 @@ class EvaluationMixin:
         """Transformers': the model's predictions (logits) for every sample exactly once, in dataset order, on
         every rank, with the labels and the loss where the batches have labels; call it on every rank. The
         predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
-        if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
-            raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
-                             f"got {ignore_keys!r}")
+        _check_ignore_keys(ignore_keys)
         part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset",
                                             functools.partial(self._evaluation_forward, loss_needed=False), True)
         prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
@@ -51,7 +65,10 @@ class EvaluationMixin:
         if dataset is None or len(dataset) == 0:
             raise ValueError(f"Trainer.{need} with at least one sample")
         start = time.perf_counter()
-        mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size)
+        # Whole batches of one process's evaluation, dealt out over the ranks: each batch's loss is the one a single
+        # process computes, so eval_loss is the same on any world size (evaluation.shard).
+        batch = self.args.per_device_eval_batch_size
+        mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size, batch)
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), forward, want_predictions)
         return part, mine, start
@@ -61,12 +78,54 @@ class EvaluationMixin:
                              self.args.per_device_eval_batch_size * self.world.world_size)
 
     def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> evaluation.ForwardResult:
+        """One batch's (loss, outputs, inputs, samples). As Transformers 5's prediction_step, a model that takes
+        num_items_in_batch gets this batch's own count (labels other than -100, shifted where its loss shifts
+        them), so its loss is its summed loss over that count: for a GPT2LMHeadModel (loss_type None, which counts
+        unshifted labels but sums over shifted ones) not the token mean, as in Transformers' eval_loss and in
+        training's logged loss."""
         inputs = self._prepare_inputs(batch)
         with torch.no_grad(), self.precision.autocast():
             if loss_needed or model_io.labels_of(inputs) is not None:
-                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True)
+                count = None
+                if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
+                    count = torch.tensor(float(self.count_items(inputs)), device=self.world.device)
+                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, num_items_in_batch=count)
             else:  # predict on a batch without a "labels" key: a loss only if the model gave one (positional labels)
                 outputs = model_io.call_model(self.model, inputs)
                 loss = model_io.carried_loss(outputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-        return loss, outputs, inputs, self.count_items(inputs)
+        return loss, outputs, inputs, model_io.batch_len(inputs)
+
+    # -- what a training run schedules ----------------------------------------------------------------------------
+    def _eval_loss_key(self) -> str:
+        """The key of the (first) evaluation loss a scheduled evaluation logs: eval_<name>_loss for a dict."""
+        if isinstance(self.eval_dataset, Mapping) and self.eval_dataset:
+            return f"eval_{next(iter(self.eval_dataset))}_loss"
+        return "eval_loss"
+
+    def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
+        step = self.state.global_step
+        moment = "step" if step_end else "final" if final else "epoch"
+        evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
+                             self.state.save_steps, evaluated=self.state.logged_at(self._eval_loss_key(), step))
+        evaluate = evaluate or self.control.should_evaluate  # the control is agreed
+        self.control.should_evaluate = False
+        if evaluate and self.eval_dataset is not None:
+            metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
+            if self.best is not None:
+                self.best.note_evaluation(self.state, metrics)
+            # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
+            self._agreement.settle(self.control, f"after the evaluation of step {step}")
+        save = save or self.control.should_save
+        self.control.should_save = False
+        if final and save:
+            save = not self.saves.exists(step)
+        if save:
+            self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
+            self._agreement.settle(self.control, f"after the save of step {step}")  # what on_save asked
+
+
+def _check_ignore_keys(ignore_keys: list[str] | None) -> None:
+    if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
+        raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
+                         f"got {ignore_keys!r}")

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")
+# The lr_scheduler_kwargs each schedule takes (Transformers' schedule functions' keyword arguments).
+SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {"linear": (), "cosine": ("num_cycles",),
+                                                "cosine_with_restarts": ("num_cycles",),
+                                                "polynomial": ("lr_end", "power"), "constant": (),
+                                                "constant_with_warmup": (), "inverse_sqrt": ("timescale",)}
 STRATEGIES = ("no", "steps", "epoch")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
 REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none
@@ -88,7 +94,7 @@ def validate(args: Any) -> None:
          "must be > 0 when max_steps is not set")
     need(args.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"must be one of {', '.join(SCHEDULERS)}")
     need(0 <= args.warmup_ratio <= 1, "warmup_ratio", "must be in [0, 1]")
-    for name in ("eval_strategy", "save_strategy"):
+    for name in ("eval_strategy", "save_strategy", "logging_strategy"):
         need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
     for name in ("logging_steps", "eval_steps", "save_steps"):
         value = getattr(args, name)
@@ -115,12 +121,36 @@ def validate(args: Any) -> None:
     resume = args.resume_from_checkpoint
     need(resume in (None, True) or (isinstance(resume, str) and os.path.isdir(resume)), "resume_from_checkpoint",
          "must be an existing checkpoint folder, or 'true' for the newest in output_dir")
+    need(args.label_names is None or (isinstance(args.label_names, list) and all(
+        isinstance(n, str) and n for n in args.label_names)), "label_names", "must be a list of batch keys")
+    _validate_scheduler_kwargs(args, need)
     _validate_best_model(args, need)
     _validate_ddp(args, need)
     _validate_flags(args, need)
     if args.bf16:
         need(torch.cuda.is_available() is False or torch.cuda.is_bf16_supported(), "bf16",
              "this GPU does not support bfloat16")
+
+
+def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    """lr_scheduler_kwargs: the keys lr_scheduler_type takes, with values in their range."""
+    kwargs = args.lr_scheduler_kwargs
+    need(kwargs is None or isinstance(kwargs, dict), "lr_scheduler_kwargs", "must be a dict (JSON on the command "
+         "line)")
+    kwargs = kwargs or {}
+    allowed = SCHEDULER_KWARGS.get(args.lr_scheduler_type, ())
+    unknown = sorted(set(kwargs) - set(allowed))
+    need(not unknown, "lr_scheduler_kwargs", f"{args.lr_scheduler_type} takes {', '.join(allowed) or 'none'}; "
+         f"unknown: {unknown}")
+    for key, value in kwargs.items():
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+             "lr_scheduler_kwargs", f"{key} must be a finite number")
+    need(kwargs.get("num_cycles", 1) > 0 and kwargs.get("power", 1.0) > 0 and kwargs.get("lr_end", 0) >= 0,
+         "lr_scheduler_kwargs", "num_cycles and power must be > 0, lr_end >= 0")
+    need(kwargs.get("timescale", 1) >= 1, "lr_scheduler_kwargs", "timescale must be >= 1 step")
+    if args.lr_scheduler_type == "polynomial":  # as Transformers: it decays from learning_rate down to lr_end
+        need(kwargs.get("lr_end", 1e-7) < args.learning_rate, "lr_scheduler_kwargs",
+             f"lr_end ({kwargs.get('lr_end', 1e-7)}) must be below learning_rate ({args.learning_rate})")
 
 
 def _validate_best_model(args: Any, need: Callable[[bool, str, str], None]) -> None:

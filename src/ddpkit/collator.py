@@ -1,0 +1,98 @@
+"""How the Trainer turns samples into a batch when it is given no data_collator, and which keys of a sample reach
+the model: Transformers' default_data_collator and its remove_unused_columns, in ddpkit's words.
+
+    batch = default_data_collator([{"input_ids": [1, 2, 3], "label": 1}, ...])   # {"input_ids": (n, 3), "labels": (n,)}
+    collate = without_unused_columns(default_data_collator, model, label_names=None)  # drops what forward cannot take
+
+Samples that are not mappings (tuples, tensors) go to torch's default_collate, as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+LABEL_KEYS = ("label", "label_ids")  # the datasets conventions; the batch names them "labels", as models expect
+
+
+def default_data_collator(features: Sequence[Any]) -> Any:
+    """Mapping samples: each key of the first sample stacked into a tensor (lists of ints become a long tensor of
+    shape (n, length), not default_collate's list of per-position tensors), "label" or "label_ids" renamed
+    "labels", string and None values left out (the first sample decides), as Transformers' default collator.
+    Anything else: torch's default_collate."""
+    if not features or not isinstance(features[0], Mapping):
+        return default_collate(features)
+    first, batch = features[0], {}
+    label_key = next((k for k in LABEL_KEYS if first.get(k) is not None), None)
+    if label_key is not None:
+        batch["labels"] = _labels([f[label_key] for f in features])
+    for key, value in first.items():
+        if key in LABEL_KEYS or value is None or isinstance(value, str):
+            continue
+        batch[key] = _stacked([f[key] for f in features])
+    return batch
+
+
+def _labels(values: list[Any]) -> torch.Tensor:
+    """Labels as a tensor: long for integer class ids (a list of ints per sample too), float otherwise."""
+    if isinstance(values[0], torch.Tensor):
+        # A scalar tensor label gives its dtype by its value's kind, as a Python number would.
+        return torch.stack(values) if values[0].ndim else torch.tensor([v.item() for v in values],
+                                                                        dtype=_label_dtype(values[0].item()))
+    head = values[0][0] if isinstance(values[0], (list, tuple, np.ndarray)) and len(values[0]) else values[0]
+    return torch.tensor(np.asarray(values) if isinstance(values[0], np.ndarray) else values, dtype=_label_dtype(head))
+
+
+def _label_dtype(value: Any) -> torch.dtype:
+    return torch.long if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else torch.float
+
+
+def _stacked(values: list[Any]) -> Any:
+    if isinstance(values[0], torch.Tensor):
+        return torch.stack(values)
+    if isinstance(values[0], np.ndarray):
+        return torch.from_numpy(np.stack(values))
+    if isinstance(values[0], (int, float, bool, np.number, list, tuple)):
+        return torch.tensor(values)  # Python floats become float32, as Transformers makes them
+    return default_collate(values)  # a nested mapping, say: torch's rules for that key alone
+
+
+def forward_columns(model: nn.Module, label_names: Sequence[str] | None = None) -> set[str]:
+    """The keys a sample may keep: the parameters of model.forward by name, "label" and "label_ids" (the default
+    collator renames them) and label_names, as Transformers keeps them: a **kwargs is a parameter called "kwargs"
+    and keeps no other key, and "labels" stays only where forward takes it or label_names names it (a
+    compute_loss that reads labels the model does not take needs label_names=["labels"] there too)."""
+    return set(inspect.signature(model.forward).parameters) | set(LABEL_KEYS) | set(label_names or ())
+
+
+def without_unused_columns(collate: Callable, model: nn.Module,
+                           label_names: Sequence[str] | None = None) -> Callable:
+    """`collate` on samples whose mapping keys the model's forward does not take are dropped first (samples that
+    are not mappings pass whole), as Transformers' RemoveColumnsCollator; raises naming the keys when a sample
+    would keep none."""
+    keep = forward_columns(model, label_names)
+    name = type(model).__name__
+
+    def collate_used(features: Sequence[Any]) -> Any:
+        kept = []
+        for feature in features:
+            if isinstance(feature, Mapping):
+                used = {k: v for k, v in feature.items() if k in keep}
+                if feature and not used:
+                    raise ValueError(f"no key of the samples ({', '.join(map(str, feature))}) is an argument of "
+                                     f"{name}.forward ({', '.join(sorted(keep))}); rename them, or set "
+                                     "remove_unused_columns=False to pass them all")
+                feature = used
+            kept.append(feature)
+        return collate(kept)
+
+    return collate_used
+
+
+__all__ = ["default_data_collator", "forward_columns", "without_unused_columns"]

@@ -1,0 +1,62 @@
+"""What the Trainer does with the Transformers fields it gained: logging_strategy and logging_first_step (when the
+loss is logged, as Transformers' DefaultFlowCallback decides), eval_on_start, save_only_model (checkpoints without
+optimizer state, which a resume refuses) and lr_scheduler_kwargs reaching the schedule."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import Classifier, classification_data, trainer_args
+
+from ddpkit.trainer import Trainer
+
+
+def run(out, **kw):
+    torch.manual_seed(0)
+    trainer = Trainer(Classifier().double(), trainer_args(out, per_device_train_batch_size=4, **kw),
+                      classification_data(16), eval_dataset=classification_data(4, seed=1))
+    trainer.train()
+    return trainer
+
+
+def steps_of(trainer, key):
+    return [e["step"] for e in trainer.state.log_history if key in e]
+
+
+def test_logging_strategy_and_first_step_log_when_transformers_does(tmp_path, local_world):
+    """4 steps an epoch, 2 epochs: "epoch" logs at each epoch's end (before its evaluation), "no" never,
+    logging_first_step adds step 1."""
+    by_epoch = run(tmp_path / "epoch", num_train_epochs=2, logging_strategy="epoch", eval_strategy="epoch")
+    assert steps_of(by_epoch, "loss") == [4, 8]
+    history = by_epoch.state.log_history
+    assert [k for e in history for k in ("loss", "eval_loss") if k in e] == ["loss", "eval_loss"] * 2
+    assert steps_of(run(tmp_path / "no", num_train_epochs=2, logging_strategy="no"), "loss") == []
+    first = run(tmp_path / "first", max_steps=6, logging_steps=4, logging_first_step=True)
+    assert steps_of(first, "loss") == [1, 4, 6]  # 6: ddpkit's last step (README)
+    assert steps_of(run(tmp_path / "first_no", max_steps=3, logging_strategy="no", logging_first_step=True),
+                    "loss") == [1]
+
+
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path, local_world):
+    trainer = run(tmp_path, max_steps=2, eval_on_start=True)
+    assert steps_of(trainer, "eval_loss") == [0]
+
+
+def test_save_only_model_checkpoints_cannot_be_resumed(tmp_path, local_world):
+    from ddpkit.checkpoint import CheckpointError
+
+    run(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    saved = sorted(os.listdir(tmp_path / "checkpoint-2"))
+    assert "model.safetensors" in saved and not {"optimizer.pt", "scheduler.pt"} & set(saved)
+    with pytest.raises(CheckpointError, match="holds no optimizer state \\(saved with save_only_model"):
+        run(tmp_path, max_steps=4, resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, local_world):
+    trainer = run(tmp_path, max_steps=4, lr_scheduler_type="polynomial", lr_scheduler_kwargs={"lr_end": 0.01},
+                  learning_rate=0.05)
+    rates = [e["learning_rate"] for e in trainer.state.log_history if "loss" in e]
+    assert rates == pytest.approx([0.05, 0.04, 0.03, 0.02])  # linear from 0.05 down towards lr_end 0.01
