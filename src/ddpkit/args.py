@@ -6,7 +6,7 @@
 
 Each field's help lives in its metadata and becomes its ``--help`` line, so the two cannot drift. Invalid values
 and contradictory combinations raise `ArgumentError` naming the field as soon as the dataclass is built, which
-is before any process group exists. This module imports nothing of ddpkit's.
+is before any process group exists. Of ddpkit, this module imports only ddpkit.validation (the checks).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python examples/train_digits.py --output_dir out                              # one process
     torchrun --nproc_per_node=2 examples/train_digits.py --output_dir out         # two processes, one machine
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_endpoint=host0:29500 train.py   # two nodes
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=host0:29500 train.py  # two nodes
 
     trainer = Trainer(model, TrainingArguments(output_dir="out"), train_dataset, eval_dataset,
                       compute_metrics=accuracy)
