@@ -20,8 +20,12 @@ def samples():
 def test_the_default_collator_stacks_as_transformers_does():
     from transformers import default_data_collator as transformers_collator
 
-    for features in (samples(), [{"x": [0.5, 1.5], "label_ids": [1, 2]}, {"x": [2.5, 3.5], "label_ids": [3, 4]}],
-                     [{"x": torch.ones(2), "label": torch.tensor(1.5)}]):
+    # Transformers' dtype rule: "label" by the value itself (a bool is an int; a list of labels, multi-label, is
+    # float), "label_ids" by its first element.
+    labels = [[0, 1, 1], np.array([1, 0, 0]), True, 1, 0.5, torch.tensor(1), torch.tensor(1.5)]
+    label_ids = [[1, 2], [True, False], [0.5, 1.0], torch.tensor([1, 2])]
+    for features in (samples(), *([{"x": [0.5, 1.5], "label": v}, {"x": [2.5, 3.5], "label": v}] for v in labels),
+                     *([{"x": [0.5, 1.5], "label_ids": v}, {"x": [2.5, 3.5], "label_ids": v}] for v in label_ids)):
         ours, theirs = default_data_collator(features), transformers_collator(features)
         assert sorted(ours) == sorted(theirs)
         for key in theirs:
@@ -65,3 +69,21 @@ def test_a_trainer_trains_on_lists_with_a_label_key_and_text(tmp_path, local_wor
                     text_data(8))
     with pytest.raises(TypeError, match="other"):
         whole.train()
+
+
+def test_a_peft_style_wrapper_keeps_its_base_models_columns():
+    """A PEFT model's forward takes (*args, **kwargs): the base model's forward decides, as in Transformers."""
+
+    class Peft(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = Classifier()
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    batch = without_unused_columns(default_data_collator, Peft())([{"x": torch.ones(6), "label": 1, "note": 2}])
+    assert sorted(batch) == ["labels", "x"]

@@ -242,3 +242,16 @@ def test_train_data_must_give_every_rank_a_sample():
         check_train_data(None, world_size=1)
     with pytest.raises(ValueError, match="1 sample.* 2 processes"):
         check_train_data([1], world_size=2)
+
+
+def test_fractional_eval_and_save_steps_that_round_apart_are_refused_for_the_best_model(tmp_path):
+    """0.6 is a multiple of 0.3, but of 7 steps they come to 5 and 3: checkpoint-5 had no evaluation."""
+    from ddpkit.args import ArgumentError, TrainingArguments
+    from ddpkit.plan import plan_for
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=7, load_best_model_at_end=True,
+                             eval_strategy="steps", eval_steps=0.3, save_steps=0.6)
+    with pytest.raises(ArgumentError, match="come to 5 and 3 of this run's 7 steps"):
+        plan_for(args, batches_per_epoch=10, world_size=1)
+    args.max_steps = 10  # 6 and 3: every checkpoint evaluated
+    assert (plan_for(args, batches_per_epoch=10, world_size=1).save_steps, args.eval_steps) == (6, 0.3)

@@ -385,3 +385,17 @@ def test_an_eval_strategy_without_an_eval_dataset_is_refused(tmp_path, local_wor
 
     with pytest.raises(ArgumentError, match="eval_strategy: is 'steps' but the Trainer got no eval_dataset"):
         Trainer(Classifier(), trainer_args(tmp_path, eval_strategy="steps"), classification_data(8))
+
+
+def test_a_compute_loss_override_without_num_items_evaluates(tmp_path, local_world):
+    """Evaluation passed num_items_in_batch=None to every compute_loss, so an override written without it (as
+    training calls it) trained and then failed at its first evaluate()."""
+
+    class Mine(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False):
+            return super().compute_loss(model, inputs, return_outputs)
+
+    trainer = Mine(Classifier().double(), trainer_args(tmp_path, max_steps=1, per_device_train_batch_size=4),
+                   classification_data(8), eval_dataset=classification_data(4, seed=1))
+    trainer.train()
+    assert math.isfinite(trainer.evaluate()["eval_loss"])

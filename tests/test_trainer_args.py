@@ -60,3 +60,23 @@ def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, local_world):
                   learning_rate=0.05)
     rates = [e["learning_rate"] for e in trainer.state.log_history if "loss" in e]
     assert rates == pytest.approx([0.05, 0.04, 0.03, 0.02])  # linear from 0.05 down towards lr_end 0.01
+
+
+def test_a_stop_checkpoint_is_whole_under_save_only_model(tmp_path, local_world):
+    """SIGTERM or Ctrl-C (asked here as their handler asks) writes a checkpoint only to resume from: whole, even
+    over a model-only one of the same step; the run then resumes from it."""
+    from ddpkit.callbacks import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                trainer._stop.requested = True
+
+    torch.manual_seed(0)
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=4,
+                                                          save_strategy="steps", save_steps=1, save_only_model=True),
+                      classification_data(16), callbacks=[Interrupt()])
+    trainer.train()
+    stopped = trainer.state.global_step
+    assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(tmp_path / f"checkpoint-{stopped}"))
+    assert run(tmp_path, max_steps=4, resume_from_checkpoint=True).state.global_step == 4

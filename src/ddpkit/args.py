@@ -76,8 +76,9 @@ class TrainingArguments:
                                                   "False when the metric ends in 'loss', True otherwise.")
     eval_on_start: bool = _field(False, "Evaluate once before the first step (a sanity check of the evaluation).")
     save_only_model: bool = _field(False, "Checkpoints hold the model weights and the run's progress only: no "
-                                          "optimizer, schedule, gradient scaler or RNG state. Smaller, but a "
-                                          "run cannot resume from them (ddpkit refuses to).")
+                                          "optimizer, schedule or gradient scaler. Smaller, but a run cannot "
+                                          "resume from them (ddpkit refuses to; a restart under --max-restarts "
+                                          "fails so too). The checkpoint of a SIGTERM or Ctrl-C stop is whole.")
     remove_unused_columns: bool = _field(True, "Drop the keys of mapping samples that model.forward does not "
                                                "take (but label, label_ids and label_names) before collating.")
     label_names: list[str] | None = _field(None, "Batch keys that hold labels, kept by remove_unused_columns "

@@ -31,7 +31,7 @@ def default_data_collator(features: Sequence[Any]) -> Any:
     first, batch = features[0], {}
     label_key = next((k for k in LABEL_KEYS if first.get(k) is not None), None)
     if label_key is not None:
-        batch["labels"] = _labels([f[label_key] for f in features])
+        batch["labels"] = _labels([f[label_key] for f in features], by_first_element=label_key == "label_ids")
     for key, value in first.items():
         if key in LABEL_KEYS or value is None or isinstance(value, str):
             continue
@@ -39,18 +39,18 @@ def default_data_collator(features: Sequence[Any]) -> Any:
     return batch
 
 
-def _labels(values: list[Any]) -> torch.Tensor:
-    """Labels as a tensor: long for integer class ids (a list of ints per sample too), float otherwise."""
-    if isinstance(values[0], torch.Tensor):
-        # A scalar tensor label gives its dtype by its value's kind, as a Python number would.
-        return torch.stack(values) if values[0].ndim else torch.tensor([v.item() for v in values],
-                                                                        dtype=_label_dtype(values[0].item()))
-    head = values[0][0] if isinstance(values[0], (list, tuple, np.ndarray)) and len(values[0]) else values[0]
-    return torch.tensor(np.asarray(values) if isinstance(values[0], np.ndarray) else values, dtype=_label_dtype(head))
-
-
-def _label_dtype(value: Any) -> torch.dtype:
-    return torch.long if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else torch.float
+def _labels(values: list[Any], by_first_element: bool) -> torch.Tensor:
+    """Labels as a tensor, with Transformers' dtype rule: "label" by the value itself (an integer or a bool: long;
+    anything else, a list of labels too (multi-label), float), "label_ids" by its first element."""
+    first = values[0]
+    if isinstance(first, torch.Tensor) and (first.ndim or by_first_element):
+        return torch.stack(values)  # (a tensor of several labels under "label": Transformers fails; stacked here)
+    head = first.item() if isinstance(first, torch.Tensor) else first
+    if by_first_element and len(head):
+        head = head[0]
+    dtype = torch.long if isinstance(head, (int, np.integer)) else torch.float  # bool is an int, there too
+    rows = [v.item() if isinstance(v, torch.Tensor) else v for v in values]
+    return torch.tensor(np.asarray(rows) if isinstance(first, np.ndarray) else rows, dtype=dtype)
 
 
 def _stacked(values: list[Any]) -> Any:
@@ -68,7 +68,9 @@ def forward_columns(model: nn.Module, label_names: Sequence[str] | None = None) 
     collator renames them) and label_names, as Transformers keeps them: a **kwargs is a parameter called "kwargs"
     and keeps no other key, and "labels" stays only where forward takes it or label_names names it (a
     compute_loss that reads labels the model does not take needs label_names=["labels"] there too)."""
-    return set(inspect.signature(model.forward).parameters) | set(LABEL_KEYS) | set(label_names or ())
+    # A PEFT model's forward takes (*args, **kwargs): its base model's says what the samples may hold, as there.
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return set(inspect.signature(base.forward).parameters) | set(LABEL_KEYS) | set(label_names or ())
 
 
 def without_unused_columns(collate: Callable, model: nn.Module,

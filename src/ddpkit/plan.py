@@ -17,6 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from .validation import ArgumentError
+
 
 class SavedPlan(NamedTuple):
     """What a checkpoint's trainer_state.json says about the run it was written by."""
@@ -149,11 +151,18 @@ def plan_steps(*, batches_per_epoch: int, world_size: int, per_device_train_batc
 def plan_for(args: Any, batches_per_epoch: int, world_size: int, resumed: SavedPlan | None = None,
              rest: SavedRest | None = None) -> StepPlan:
     """plan_steps with the numbers of a TrainingArguments (or anything with those attributes)."""
-    return plan_steps(batches_per_epoch=batches_per_epoch, world_size=world_size,
+    plan = plan_steps(batches_per_epoch=batches_per_epoch, world_size=world_size,
                       per_device_train_batch_size=args.per_device_train_batch_size,
                       gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
                       num_train_epochs=args.num_train_epochs, logging_steps=args.logging_steps,
                       eval_steps=args.eval_steps, save_steps=args.save_steps, resumed=resumed, rest=rest)
+    if getattr(args, "load_best_model_at_end", False) and args.save_strategy == "steps" and \
+            plan.save_steps % plan.eval_steps:
+        # Fractions that are multiples (0.6 of 0.3) may round up to steps that are not (5 and 3 of 7 steps).
+        raise ArgumentError("load_best_model_at_end", f"needs every checkpoint evaluated, but save_steps "
+                            f"{args.save_steps} and eval_steps {args.eval_steps} come to {plan.save_steps} and "
+                            f"{plan.eval_steps} of this run's {plan.max_steps} steps; give them in steps")
+    return plan
 
 
 def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_steps: int, save_steps: int,

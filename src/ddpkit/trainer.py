@@ -250,8 +250,8 @@ class Trainer(EvaluationMixin):
             if self.state.should_stop:
                 # SIGTERM or Ctrl-C: one checkpoint at the exact next sample, then a clean return (exit 0).
                 # Still inside the handler: a second SIGTERM must not kill the save half-way.
-                if not self.saves.exists(self.state.global_step):
-                    self._save_checkpoint(sampler)
+                if not self.saves.exists(self.state.global_step) or self.args.save_only_model:
+                    self._save_checkpoint(sampler, whole=True)  # whole: its only use is to resume
                 self._finish_reports()
                 train_loss = self._loss.train_loss(self.comm, self.world)
                 return TrainOutput(self.state.global_step, train_loss, {**run.summary(train_loss), "stopped": 1.0})
@@ -340,11 +340,11 @@ class Trainer(EvaluationMixin):
         return self.lr_scheduler.get_last_lr()[0]
 
     # -- evaluation, saving ----------------------------------------------------------------------------------------
-    def _save_checkpoint(self, sampler) -> str:
+    def _save_checkpoint(self, sampler, whole: bool = False) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self._loss.save_into(self.state)
         self.state.stateful_callbacks = self.callback_handler.export_states()
-        whole = not self.args.save_only_model  # save_only_model: weights and progress, no optimizer or schedule
+        whole = whole or not self.args.save_only_model  # save_only_model: weights and progress, no optimizer
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer if whole else None,
                                  scheduler=self.lr_scheduler if whole else None, sampler_state=sampler.state_dict(),
                                  scaler=self.precision.scaler if whole else None)

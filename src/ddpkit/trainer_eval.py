@@ -89,7 +89,9 @@ class EvaluationMixin:
                 count = None
                 if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
                     count = torch.tensor(float(self.count_items(inputs)), device=self.world.device)
-                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, num_items_in_batch=count)
+                # (only when there is one: a compute_loss override without the argument, as training calls it)
+                counted = {} if count is None else {"num_items_in_batch": count}
+                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
             else:  # predict on a batch without a "labels" key: a loss only if the model gave one (positional labels)
                 outputs = model_io.call_model(self.model, inputs)
                 loss = model_io.carried_loss(outputs)
