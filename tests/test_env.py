@@ -197,3 +197,22 @@ def test_a_process_group_made_by_hand_is_adopted_without_the_one_process_warning
         assert not [w for w in recwarn if "only ONE training process" in str(w.message)]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_slurm_world_of_one_binds_no_port(monkeypatch):
+    """Two `srun -n1` steps of one job on one node derived the same port from the job id: the second failed."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        environ = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "localhost",
+                   "MASTER_PORT": str(taken.getsockname()[1])}
+        monkeypatch.setattr("os.environ", {**environ})
+        world = ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=5)
+        try:
+            assert (world.rank, world.world_size, world.launcher) == (0, 1, "slurm")
+        finally:
+            dist.destroy_process_group()

@@ -28,3 +28,16 @@ def test_each_making_of_the_group_has_its_own_prefix_and_a_count_mismatch_is_nam
     alone = meet._fresh_prefix(other, ranks[0])
     with pytest.raises(LaunchError, match="only 1 of the 2 processes"):
         meet._wait_for_everyone(alone, ranks[0], datetime.timedelta(seconds=0.2), other)
+
+
+def test_an_ipv6_master_address_meets_under_mpi_and_slurm():
+    """MASTER_ADDR=::1 made tcp://::1:port, whose port torch could not read ("Port could not be cast")."""
+    import socket
+
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+        sock.bind(("::1", 0))
+        port = sock.getsockname()[1]
+    info = LaunchInfo(rank=0, world_size=1, launcher="mpi", master_addr="::1", master_port=port)
+    store = meet.rendezvous(info, datetime.timedelta(seconds=20))
+    store.set("k", "v")
+    assert store.get("k") == b"v"

@@ -110,3 +110,16 @@ def test_a_worker_that_ignores_the_stop_is_ended_after_the_grace_period(tmp_path
     said = parent.stderr.read()  # the orphan inherited the pipe: its last words are here
     assert "is gone: stopping this worker" in said and "did not stop within 1 s" in said, said
     assert took >= 0.8, f"ended {took:.2f} s after its parent: before the grace period was over"
+
+
+def test_a_launcher_that_is_pid_1_is_not_taken_for_gone(monkeypatch):
+    """A container whose entrypoint is the launcher: every worker's parent is pid 1 from the start, which the
+    watch took for a launcher already gone, so every worker stopped itself at init_process_group."""
+    from ddpkit import orphan
+
+    calls = []
+    monkeypatch.setattr(orphan.os, "kill", lambda pid, sig: calls.append(sig))
+    monkeypatch.setattr(orphan.os, "_exit", lambda code: calls.append(("exit", code)))
+    monkeypatch.setattr(orphan.time, "sleep", lambda seconds: None)
+    orphan._watch(1, grace_s=0.0, poll_s=0.0)
+    assert calls == []

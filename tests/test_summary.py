@@ -40,6 +40,11 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     assert summary.root_cause({0: killed, 1: consequence}) == 0
     text = summary.failure_summary({0: killed, 1: consequence}, {0: str(out)})
     assert "root cause: rank 0" in text and "<NONE>" not in text and "line 49" in text
+    # Killed by SIGKILL (the OOM killer) while the other computed and was stopped with SIGTERM: the killed one,
+    # whatever the whole-second timestamps say; and a rank's own error in a peer's words beats one stopped.
+    assert summary.root_cause({5: failure(5, -15), 6: failure(6, -9)}) == 6
+    reset = failure(0, 1, "ConnectionResetError: Connection reset by peer (downloading a shard)", when=500)
+    assert summary.root_cause({0: reset, 1: failure(1, -15)}) == 0
 
 
 def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a_closed_connection(tmp_path):
@@ -57,3 +62,12 @@ def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a
     assert summary.root_cause(failures) == 1
     failures[1] = failure(1, "RuntimeError: Connection reset by peer", 2_000)  # no explanation: the earliest
     assert summary.root_cause(failures) == 0
+
+
+def test_the_output_tail_counts_a_redrawn_progress_bar_as_one_line(tmp_path):
+    """Each carriage-return redraw was a line of its own: 20 of them pushed out the line before the crash."""
+    out = tmp_path / "rank0.log"
+    bar = "".join(f"\rtraining {p}%" for p in range(0, 101, 5))
+    out.write_text("important: about to allocate\n" + bar + "\n" + "Traceback: boom\n", newline="")
+    tail = summary._tail(str(out), lines=3)
+    assert tail == "important: about to allocate\ntraining 100%\nTraceback: boom\n", tail

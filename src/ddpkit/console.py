@@ -34,7 +34,7 @@ DEFAULT_COLUMNS = 80
 CHUNK_BYTES = 1 << 16
 
 
-def _shown(line: str) -> str:
+def shown_line(line: str) -> str:
     """What a terminal shows of a line that was redrawn with carriage returns: the part after the last one."""
     line = line.rstrip("\r")  # "\r\n" ends a line, it redraws nothing
     return line[line.rfind("\r") + 1:]
@@ -61,7 +61,7 @@ class Console:
             for line in lines:
                 if self._status == rank:
                     self._status = None  # its line is finished: printed below, not as the status any more
-                self._print_line(rank, _shown(line))
+                self._print_line(rank, shown_line(line))
             if rest:
                 # Only what follows its last carriage return can still show: a bar redrawn a million times into
                 # a pipe holds one drawing, not a million.
@@ -78,7 +78,7 @@ class Console:
         with self._lock:
             for unfinished in sorted(self._partial) if rank is None else [rank] if rank in self._partial else []:
                 self._status = None
-                self._print_line(unfinished, _shown(self._partial.pop(unfinished)))
+                self._print_line(unfinished, shown_line(self._partial.pop(unfinished)))
             self.out.flush()
 
     def _prefixed(self, rank: int, text: str) -> str:
@@ -97,7 +97,7 @@ class Console:
     def _draw_status(self) -> None:
         if self._status is None:
             return
-        line = self._prefixed(self._status, _shown(self._partial[self._status]))
+        line = self._prefixed(self._status, shown_line(self._partial[self._status]))
         # One row only: a status line that wrapped could not be redrawn in place by a carriage return.
         self.out.write(ERASE_LINE + line[:max(1, self.columns - 1)])
 

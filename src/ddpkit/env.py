@@ -311,8 +311,9 @@ def init_process_group(
     kwargs = dict(backend=backend, timeout=timeout)
     if backend == "nccl":
         kwargs["device_id"] = device  # lets NCCL connect eagerly and bind the communicator to our GPU
-    if info.world_size == 1 and info.launcher == "none":
-        # A world of one needs no rendezvous: an in-memory store, no port, and every collective still works.
+    if info.world_size == 1 and info.launcher in ("none", "slurm", "mpi"):
+        # A world of one needs no rendezvous: an in-memory store, no port, and every collective still works
+        # (under SLURM or MPI too: a port derived from the job id would collide with another step's world of one).
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     else:
         store = rendezvous(info, to_timeout(join_timeout) if join_timeout is not None else timeout)

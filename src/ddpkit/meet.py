@@ -35,7 +35,10 @@ def rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store
         if info.master_addr is None or info.master_port is None:
             raise LaunchError(f"the {info.launcher} environment gives rank {info.rank} of {info.world_size} but no "
                               "MASTER_ADDR/MASTER_PORT; export both to the address and a free port of rank 0's host")
-        url = f"tcp://{info.master_addr}:{info.master_port}"
+        host = info.master_addr
+        if ":" in host and not host.startswith("["):  # an IPv6 address: tcp://[::1]:29500, as env:// takes it bare
+            host = f"[{host}]"
+        url = f"tcp://{host}:{info.master_port}"
     where = f"{info.master_addr}:{info.master_port}"
     try:
         store, _, _ = next(dist.rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=join_timeout))

@@ -36,7 +36,11 @@ def watch_parent(grace_s: float = GRACE_S, poll_s: float = POLL_S) -> threading.
 
 
 def _watch(parent: int, grace_s: float, poll_s: float) -> None:
-    while os.getppid() == parent and parent != 1:
+    if parent == 1:
+        # The launcher is its PID namespace's init (a container whose entrypoint is `ddpkit launch` or torchrun):
+        # when it dies the kernel kills every process of the namespace, this one too. Nothing to watch.
+        return
+    while os.getppid() == parent:
         time.sleep(poll_s)
     print(f"[ddpkit] the launcher (pid {parent}) is gone: stopping this worker (pid {os.getpid()})",
           file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+from .console import shown_line
 from .errors import EXPLAINING_ERRORS  # imports no torch: `ddpkit --help` stays fast
 
 # Lines of a failed worker's output shown when it left no traceback (killed, os._exit, failed before ddpkit).
@@ -51,15 +52,16 @@ def root_cause(failures: Mapping[int, Any]) -> int:
 
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
     unless it only says that a peer was gone; then a worker that died on its own (an exit code, or a signal
-    other than the SIGTERM/SIGKILL the agent sends to the survivors); then a killed one. torchelastic's own
-    choice, the earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped,
-    or one that raised only because its peer had died; the error file's modification time orders them to the
-    nanosecond.
+    other than the SIGTERM/SIGKILL the agent sends to the survivors); then one killed by SIGKILL (the OOM killer;
+    the agent sends it only to a survivor still alive 30 s after its SIGTERM); then a traceback that says only
+    that a peer was gone (a consequence, but a rank's own words: it may be the cause, a dataset download's
+    "Connection reset by peer"); last a rank the agent stopped with SIGTERM. torchelastic's own choice, the
+    earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped, or one that
+    raised only because its peer had died; the error file's modification time orders them to the nanosecond.
     """
     def key(rank):
         failure = failures[rank]
         trace = _traceback(failure)
-        stopped_by_agent = failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
         try:
             when = os.stat(failure.error_file).st_mtime_ns / 1e9
         except (OSError, TypeError):
@@ -67,12 +69,14 @@ def root_cause(failures: Mapping[int, Any]) -> int:
         explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
         if trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
-        elif trace is None and not stopped_by_agent:
+        elif trace is None and failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL):
             tier = 1  # died on its own: an exit code, or a signal the agent does not send
-        elif trace is None:
-            tier = 2  # killed: by the agent, or by itself
+        elif trace is None and failure.exitcode == -signal.SIGKILL:
+            tier = 2  # killed: by the OOM killer, say (the agent's SIGKILL comes 30 s after its SIGTERM)
+        elif trace is not None:
+            tier = 3  # raised, in words of a peer gone
         else:
-            tier = 3  # raised only because a peer had already gone
+            tier = 4  # stopped by the agent's SIGTERM
         return (tier, when, rank)
 
     return min(failures, key=key)
@@ -81,8 +85,13 @@ def root_cause(failures: Mapping[int, Any]) -> int:
 def _tail(path: str | None, lines: int = OUTPUT_TAIL_LINES) -> str:
     if not path or not os.path.exists(path):
         return ""
-    with open(path, errors="replace") as fp:
-        return "".join(fp.readlines()[-lines:])
+    # Lines as a terminal showed them: a progress bar redrawn with carriage returns is one line, its last state
+    # (read as universal newlines, each redraw was a line, and they pushed the lines before a crash out).
+    with open(path, errors="replace", newline="") as fp:
+        shown = [shown_line(line) for line in fp.read().split("\n")]
+    if shown and not shown[-1]:
+        shown.pop()  # after the last newline
+    return "".join(line + "\n" for line in shown[-lines:])
 
 
 def failure_summary(failures: Mapping[int, Any], output_files: Mapping[int, str] | None = None,
