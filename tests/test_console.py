@@ -226,3 +226,19 @@ def test_plain_python_in_a_terminal_redraws_and_into_a_pipe_writes_a_line_per_lo
     rc, out = console_runs["python pipe"].result()
     assert rc == 0, out
     assert len([line for line in out.splitlines() if line.startswith("train ")]) == STEPS // LOGGING_STEPS
+
+
+def test_a_closed_pipe_ends_the_output_quietly():
+    """`ddpkit launch ... | head`: each tail thread printed a BrokenPipeError traceback."""
+    import io
+
+    from ddpkit.console import Console
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    console = Console(Closed(), terminal=False)
+    console.feed(0, "one\n")
+    console.feed(1, "two\nthree")  # nothing raised, nothing more written
+    console.close()

@@ -20,10 +20,13 @@ of a traceback) keeps one prefix, never two.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 PREFIX = "[rank{rank}]: "
@@ -51,12 +54,13 @@ class Console:
         self._partial: dict[int, str] = {}  # rank -> its unfinished line, as written so far
         self._status: int | None = None  # the rank whose unfinished line is drawn at the bottom
         self._lock = threading.Lock()
+        self._gone = False  # the reader went away (`ddpkit launch ... | head`): nothing more is written
 
     def feed(self, rank: int, text: str) -> None:
         """Text a rank wrote (any piece of it: lines, part of a line, carriage returns)."""
-        if not text:
+        if not text or self._gone:
             return
-        with self._lock:
+        with self._lock, self._unless_gone():
             *lines, rest = (self._partial.pop(rank, "") + text).split("\n")
             for line in lines:
                 if self._status == rank:
@@ -75,11 +79,23 @@ class Console:
     def close(self, rank: int | None = None) -> None:
         """Print what is left unfinished as lines (a worker that died mid-line), leaving the cursor on a new line;
         `rank`: only that rank's (its next attempt starts a new line)."""
-        with self._lock:
+        with self._lock, self._unless_gone():
             for unfinished in sorted(self._partial) if rank is None else [rank] if rank in self._partial else []:
                 self._status = None
                 self._print_line(unfinished, shown_line(self._partial.pop(unfinished)))
             self.out.flush()
+
+    @contextlib.contextmanager
+    def _unless_gone(self) -> Iterator[None]:
+        """A closed pipe ends the console's output, quietly: the job goes on (a traceback from each tail thread
+        said only that `head` had read enough)."""
+        try:
+            yield
+        except BrokenPipeError:
+            self._gone = True
+            if self.out is sys.stdout:  # Python's own flush at exit would complain again
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def _prefixed(self, rank: int, text: str) -> str:
         prefix = PREFIX.format(rank=rank)
