@@ -88,3 +88,17 @@ def test_a_peer_whose_process_ended_without_a_word_is_named_with_where_it_was():
         assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, unreaped: Popen has not waited
     child.wait()
     assert diagnosis.process_ended(child.pid)
+
+
+def test_a_rank_that_reports_nothing_any_more_is_not_said_to_compute_now():
+    """A SIGSTOPped rank's last report (computing after #2) was shown as what it did 17 s later."""
+    from ddpkit.diagnosis import explain
+
+    now = time.time()
+    waiting = {**_state(0, 9, 7, "all_reduce", "loss", 3), "time": now}
+    frozen = {**_state(1, 4, None, "", "", 0), "time": now - 17.2, "done_seq": 2, "done_what": "broadcast (buffers)"}
+    text = explain(0, {0: waiting, 1: frozen})
+    assert "rank 1 (host h, pid 101) never arrived: it has reported nothing for 17 s (stopped, frozen" in text
+    assert "when it last did, it is computing; its last collective was #2 broadcast (buffers)" in text
+    fresh = explain(0, {0: waiting, 1: {**frozen, "time": now - 1.0}}, now=now)
+    assert "never arrived: it is computing; its last collective was #2" in fresh and "reported nothing" not in fresh

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ State = dict[str, Any]
 
 # Records whose op and purpose say nothing comparable across ranks (a bare future waited for without a record).
 _UNCOMPARABLE_OPS = ("future",)
+# A rank's monitor posts its state every second: one not posted for this long is not running Python (stopped by
+# SIGSTOP, a frozen host, a C call holding the GIL), and what it says is old.
+STALE_S = 10.0
 
 
 def default_threshold(timeout_s: float) -> float:
@@ -55,9 +59,10 @@ def _called(state: State) -> dict[int, tuple[str, str]]:
     return {seq: call for seq, call in calls.items() if call[0] not in _UNCOMPARABLE_OPS}
 
 
-def explain(rank: int, states: dict[int, State | None]) -> str:
+def explain(rank: int, states: dict[int, State | None], now: float | None = None) -> str:
     """What every rank is doing while `rank` waits (states[rank] is its own, fresh state): who never arrived,
-    who called something else."""
+    who called something else. now: time.time() (a state older than STALE_S is said to be old)."""
+    now = time.time() if now is None else now
     mine = states[rank]["waiting"]
     if mine is None:
         return "not waiting in any collective"
@@ -89,8 +94,12 @@ def explain(rank: int, states: dict[int, State | None]) -> str:
         absent.append(other)
         doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
             f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
+        age = now - state.get("time", now)
+        if age > STALE_S:  # its own report is old: not what it does now
+            doing = (f"has reported nothing for {age:.0f} s (stopped, frozen, or in a C call that holds the GIL); "
+                     f"when it last did, it {doing}")
         lines.append(f"rank {other} (host {state['host']}, pid {state['pid']}) never arrived: it {doing}. "
-                     f"Its main thread is at:\n{indent(state['stack'])}")
+                     f"Its main thread {'was' if age > STALE_S else 'is'} at:\n{indent(state['stack'])}")
     if absent:
         lines.insert(1, f"ranks that never arrived: {absent}")
     return "\n".join(lines)
