@@ -155,7 +155,7 @@ class Trainer(EvaluationMixin):
         return without_unused_columns(self.data_collator, self.model, self.args.label_names)
 
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """args.optim; biases and norm weights (every parameter of fewer than 2 dimensions) get no weight decay."""
+        """args.optim; biases and norms get no weight decay (Transformers' rule: optim.no_decay)."""
         if self.optimizer is None:
             self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size)
         return self.optimizer
