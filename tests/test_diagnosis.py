@@ -102,3 +102,5 @@ def test_a_rank_that_reports_nothing_any_more_is_not_said_to_compute_now():
     assert "when it last did, it is computing; its last collective was #2 broadcast (buffers)" in text
     fresh = explain(0, {0: waiting, 1: {**frozen, "time": now - 1.0}}, now=now)
     assert "never arrived: it is computing; its last collective was #2" in fresh and "reported nothing" not in fresh
+    elsewhere = explain(0, {0: waiting, 1: {**frozen, "host": "other"}})  # another host's clock: not compared
+    assert "reported nothing" not in elsewhere

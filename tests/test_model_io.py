@@ -53,6 +53,19 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_d
     encoder_decoder.config = type("Config", (), {"is_encoder_decoder": True})()
     assert [model_io.loss_shifts_labels(m) for m in (Plain(), causal, encoder_decoder)] == [False, True, False]
 
+    class Peft(nn.Module):  # a PEFT model: forward(*args, **kwargs); its base model answers, as in Transformers
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    assert model_io.accepts_loss_kwargs(Peft(Transformers())) and model_io.loss_shifts_labels(Peft(causal))
+
 
 LENGTHS = [3, 9, 2, 12, 5, 7, 4, 10]  # 52 labels, 44 of them after the first of each row
 STEPS = dict(max_steps=2, learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, weight_decay=0.0,

@@ -27,9 +27,10 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     # no traceback anywhere: the worker that died on its own beats the ones the agent stopped
     out = tmp_path / "rank1.log"
     out.write_text("".join(f"line {i}\n" for i in range(50)))
-    failures = {0: failure(0, -15), 1: failure(1, -9), 2: failure(2, -11)}
+    # (in the order the agent saw them: the one that died first, then those it stopped)
+    failures = {2: failure(2, -11), 0: failure(0, -15), 1: failure(1, -9)}
     assert summary.root_cause(failures) == 2
-    text = summary.failure_summary({0: failure(0, -15), 1: failure(1, 3)}, {1: str(out)})
+    text = summary.failure_summary({1: failure(1, 3), 0: failure(0, -15)}, {1: str(out)})
     assert "root cause: rank 1" in text and "exited with code 3" in text and "line 49" in text
     assert "line 29" not in text  # only the tail
     # torchelastic's "<NONE>" for a worker without an error file is no traceback: its output tail is shown,
@@ -40,11 +41,15 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     assert summary.root_cause({0: killed, 1: consequence}) == 0
     text = summary.failure_summary({0: killed, 1: consequence}, {0: str(out)})
     assert "root cause: rank 0" in text and "<NONE>" not in text and "line 49" in text
-    # Killed by SIGKILL (the OOM killer) while the other computed and was stopped with SIGTERM: the killed one,
-    # whatever the whole-second timestamps say; and a rank's own error in a peer's words beats one stopped.
-    assert summary.root_cause({5: failure(5, -15), 6: failure(6, -9)}) == 6
+    # The failures in the order the agent saw them: the first one seen died on its own, whatever the signal and
+    # the whole-second timestamps (the OOM killer's SIGKILL, a SIGTERM from outside), the ranks it stopped after.
+    assert summary.root_cause({6: failure(6, -9), 5: failure(5, -15)}) == 6
+    peer_words = failure(7, 1, "RuntimeError: [gloo] Connection closed by peer", when=900)
+    assert summary.root_cause({5: failure(5, -15), 7: peer_words}) == 5
+    # A rank's own error in a peer's words beats the ranks stopped after it, by SIGTERM or (ignored) SIGKILL.
     reset = failure(0, 1, "ConnectionResetError: Connection reset by peer (downloading a shard)", when=500)
     assert summary.root_cause({0: reset, 1: failure(1, -15)}) == 0
+    assert summary.root_cause({0: reset, 6: failure(6, -9)}) == 0
 
 
 def test_the_launcher_takes_an_explanation_for_the_root_cause_though_it_quotes_a_closed_connection(tmp_path):

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from .model_io import unwrapped
+
 LABEL_KEYS = ("label", "label_ids")  # the datasets conventions; the batch names them "labels", as models expect
 
 
@@ -69,8 +71,7 @@ def forward_columns(model: nn.Module, label_names: Sequence[str] | None = None) 
     and keeps no other key, and "labels" stays only where forward takes it or label_names names it (a
     compute_loss that reads labels the model does not take needs label_names=["labels"] there too)."""
     # A PEFT model's forward takes (*args, **kwargs): its base model's says what the samples may hold, as there.
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return set(inspect.signature(base.forward).parameters) | set(LABEL_KEYS) | set(label_names or ())
+    return set(inspect.signature(unwrapped(model).forward).parameters) | set(LABEL_KEYS) | set(label_names or ())
 
 
 def without_unused_columns(collate: Callable, model: nn.Module,

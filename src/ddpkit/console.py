@@ -95,7 +95,9 @@ class Console:
             self._gone = True
             if self.out is sys.stdout:  # Python's own flush at exit would complain again
                 with contextlib.suppress(OSError, ValueError):
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, sys.stdout.fileno())
+                    os.close(devnull)
 
     def _prefixed(self, rank: int, text: str) -> str:
         prefix = PREFIX.format(rank=rank)

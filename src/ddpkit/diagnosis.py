@@ -94,7 +94,8 @@ def explain(rank: int, states: dict[int, State | None], now: float | None = None
         absent.append(other)
         doing = f"waits in #{theirs['seq']} {theirs['op']} ({theirs['what']})" if theirs else \
             f"is computing; its last collective was #{state['done_seq']} {state['done_what'] or '(none)'}"
-        age = now - state.get("time", now)
+        # Wall clocks compared on one host only: another's may be off by more than the threshold.
+        age = now - state.get("time", now) if state.get("host") == states[rank].get("host") else 0.0
         if age > STALE_S:  # its own report is old: not what it does now
             doing = (f"has reported nothing for {age:.0f} s (stopped, frozen, or in a C call that holds the GIL); "
                      f"when it last did, it {doing}")

@@ -98,11 +98,18 @@ def count_items(batch: Any, shifted: bool = False) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """A PEFT model's base model (its forward takes *args, **kwargs and says nothing), as Transformers unwraps it."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
 def accepts_loss_kwargs(model: nn.Module) -> bool:
     """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: its
     `accepts_loss_kwargs` if it says, else a parameter of that name, or, for a Transformers model (whose losses
     take it through **kwargs: Transformers' Trainer's rule), a **kwargs. A plain module's **kwargs is no sign:
     one that dropped the count would return a mean taken for its share, and train at the wrong scale."""
+    model = unwrapped(model)
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     parameters = inspect.signature(model.forward).parameters
@@ -115,6 +122,7 @@ def loss_shifts_labels(model: nn.Module) -> bool:
     """Whether the model's loss shifts its labels, by Transformers' Trainer rule: its `loss_type` names Transformers'
     causal LM loss, and it is no encoder-decoder (whose targets are unshifted). A GPT2LMHeadModel, whose loss_type
     is None, counts unshifted labels there, so here too."""
+    model = unwrapped(model)
     loss_type = getattr(model, "loss_type", None)
     if loss_type is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False

@@ -51,14 +51,16 @@ def root_cause(failures: Mapping[int, Any]) -> int:
     """The global rank whose failure caused the others.
 
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
-    unless it only says that a peer was gone; then a worker that died on its own (an exit code, or a signal
-    other than the SIGTERM/SIGKILL the agent sends to the survivors); then one killed by SIGKILL (the OOM killer;
-    the agent sends it only to a survivor still alive 30 s after its SIGTERM); then a traceback that says only
-    that a peer was gone (a consequence, but a rank's own words: it may be the cause, a dataset download's
-    "Connection reset by peer"); last a rank the agent stopped with SIGTERM. torchelastic's own choice, the
-    earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped, or one that
-    raised only because its peer had died; the error file's modification time orders them to the nanosecond.
+    unless it only says that a peer was gone; then a worker that died on its own: an exit code, a signal other
+    than the agent's SIGTERM/SIGKILL, or any signal for the failure the agent saw first (`failures` keeps the
+    order it saw them in: the ranks it stopped afterwards come last; the OOM killer's SIGKILL, an outside kill);
+    then a traceback that says only that a peer was gone (a consequence, but a rank's own words: it may be the
+    cause, a dataset download's "Connection reset by peer"); last a rank the agent stopped. torchelastic's own
+    choice, the earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped,
+    or one that raised only because its peer had died; the error file's modification time orders them to the
+    nanosecond.
     """
+    first_seen = next(iter(failures), None)
     def key(rank):
         failure = failures[rank]
         trace = _traceback(failure)
@@ -69,14 +71,12 @@ def root_cause(failures: Mapping[int, Any]) -> int:
         explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
         if trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
-        elif trace is None and failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL):
-            tier = 1  # died on its own: an exit code, or a signal the agent does not send
-        elif trace is None and failure.exitcode == -signal.SIGKILL:
-            tier = 2  # killed: by the OOM killer, say (the agent's SIGKILL comes 30 s after its SIGTERM)
+        elif trace is None and (failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL) or rank == first_seen):
+            tier = 1  # died on its own: an exit code, a signal the agent does not send, or the first failure seen
         elif trace is not None:
-            tier = 3  # raised, in words of a peer gone
+            tier = 2  # raised, in words of a peer gone
         else:
-            tier = 4  # stopped by the agent's SIGTERM
+            tier = 3  # stopped by the agent
         return (tier, when, rank)
 
     return min(failures, key=key)
