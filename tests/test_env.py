@@ -47,6 +47,13 @@ def test_slurm_variables():
     step = read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[01-04]",
                             "SLURM_STEP_NODELIST": "node[03-04]"})
     assert step.master_addr == "node03"
+    # `srun -N2 -n4` sets no SLURM_NTASKS_PER_NODE: the local world is this node's count, not the whole world's
+    spread = read_launch_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+                              "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "node[01-03]"})
+    assert (spread.world_size, spread.local_world_size) == (5, 2)
+    last = read_launch_env({"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_NODEID": "2",
+                            "SLURM_STEP_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "node[01-03]"})
+    assert last.local_world_size == 1
 
 
 def test_mpi_variables():

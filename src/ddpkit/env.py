@@ -121,9 +121,22 @@ def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None) ->
         addr = _first_slurm_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
     if port is None:  # the same on every task of a job, different between jobs sharing a node
         port = 15000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
+    local_size = _int(env, "SLURM_NTASKS_PER_NODE") or _tasks_on_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), _int(env, "SLURM_NODEID") or 0)
     return LaunchInfo(rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID") or 0, world_size=world,
-                      local_world_size=_int(env, "SLURM_NTASKS_PER_NODE") or world, master_addr=addr,
-                      master_port=port, launcher="slurm")
+                      local_world_size=local_size or world, master_addr=addr, master_port=port, launcher="slurm")
+
+
+def _tasks_on_node(spec: str | None, node: int) -> int | None:
+    """This node's task count from SLURM's per-node list ("2(x3),1": 2 on each of three nodes, then 1), which
+    srun always sets where SLURM_NTASKS_PER_NODE is only set when asked for; None when it cannot say."""
+    counts: list[int] = []
+    for part in (spec or "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node] if node < len(counts) else None
 
 
 def _refuse_empty(environ: Mapping[str, str], *names: str) -> None:
