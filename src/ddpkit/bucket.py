@@ -217,8 +217,8 @@ class Bucket:
         self._storage: torch.Tensor | None = None
         self._public: GradBucket | None = None
         # Each parameter's layout in the storage, once (stage 2 makes the storage again at every backward).
-        self._strides = [None if p.is_contiguous() and p.stride() == _row_major(p.shape) else
-                         p.stride() if _dense(p) else None for p in self.params]
+        self._strides = [p.stride() if p.stride() != _row_major(p.shape) and _dense(p) else None
+                         for p in self.params]
 
     # -- the storage, made on demand ----------------------------------------------------------------------------
     def _allocate(self) -> None:

@@ -17,7 +17,6 @@ from .args import ArgumentError, TrainingArguments
 from .validation import SCHEDULERS, parse_optim_args
 from .zero_trainer import apply_zero
 
-SCHEDULES = SCHEDULERS
 
 
 def optimizer_class(args: TrainingArguments) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -69,7 +68,7 @@ def get_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int
                   scheduler_kwargs: dict[str, Any] | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """The Transformers schedules: a linear warmup from 0 (none for constant), then the schedule's factor of the
     learning rate. scheduler_kwargs are lr_scheduler_kwargs, with Transformers' defaults."""
-    if name not in SCHEDULES:
+    if name not in SCHEDULERS:
         raise ArgumentError("lr_scheduler_type", f"unknown schedule {name!r}")
     kw = dict(scheduler_kwargs or {})
     decay = _decay(name, kw, optimizer.defaults["lr"], warmup_steps)

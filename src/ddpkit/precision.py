@@ -99,7 +99,6 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.skipped = bool(found)
         return {found_inf.device: found_inf}
 
-
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # ddpkit's ZeRO at stage 2 says it scales by itself (_step_supports_amp_scaling), so that torch's own
         # scaler, blind to the shards, reaches its step and is refused there; this one unscales the shards itself.

@@ -88,7 +88,8 @@ class EvaluationMixin:
             if loss_needed or model_io.labels_of(inputs) is not None:
                 count = None
                 if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
-                    count = torch.tensor(float(self.count_items(inputs)), device=self.world.device)
+                    # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
+                    count = torch.tensor(float(self.count_items(batch)), device=self.world.device)
                 # (only when there is one: a compute_loss override without the argument, as training calls it)
                 counted = {} if count is None else {"num_items_in_batch": count}
                 loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)

@@ -13,13 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt")
 # The lr_scheduler_kwargs each schedule takes (Transformers' schedule functions' keyword arguments).
 SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {"linear": (), "cosine": ("num_cycles",),
                                                 "cosine_with_restarts": ("num_cycles",),
                                                 "polynomial": ("lr_end", "power"), "constant": (),
                                                 "constant_with_warmup": (), "inverse_sqrt": ("timescale",)}
+SCHEDULERS = tuple(SCHEDULER_KWARGS)
 STRATEGIES = ("no", "steps", "epoch")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
 REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none

@@ -24,6 +24,12 @@ import torch
 COUNT_KEYS = ("step",)
 
 
+def _per_element(key: Any, value: Any, shape: torch.Size | None) -> bool:
+    """torch's rule: a state tensor shaped like its parameter holds one value per element ("step" aside)."""
+    return shape is not None and isinstance(value, torch.Tensor) and key not in COUNT_KEYS and \
+        tuple(value.shape) == tuple(shape)
+
+
 def merge_pieces(pieces: list[tuple[int, int, dict]], shape: torch.Size, whole: bool) -> dict[str, Any]:
     """One parameter's whole state from its pieces [(start, stop, state)], given in any order."""
     pieces = sorted(pieces, key=lambda p: p[0])
@@ -44,8 +50,7 @@ def slice_state(state: dict[str, Any], start: int, stop: int, shape: torch.Size,
     """The part of one parameter's whole state that covers its flat elements [start, stop)."""
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if not whole and isinstance(value, torch.Tensor) and key not in COUNT_KEYS and \
-                tuple(value.shape) == tuple(shape):
+        if not whole and _per_element(key, value, shape):
             out[key] = value.reshape(-1)[start:stop].clone()
         elif isinstance(value, torch.Tensor):
             out[key] = value.clone()
@@ -86,8 +91,7 @@ def whole_pieces(state: dict[Any, dict[str, Any]], shapes: list[torch.Size]
     pieces = []
     for index, saved in state.items():
         shape = shapes[int(index)] if int(index) < len(shapes) else None
-        flat = {k: v.detach().reshape(-1) if shape is not None and isinstance(v, torch.Tensor) and
-                k not in COUNT_KEYS and tuple(v.shape) == tuple(shape) else v for k, v in saved.items()}
+        flat = {k: v.detach().reshape(-1) if _per_element(k, v, shape) else v for k, v in saved.items()}
         pieces.append((int(index), 0, shape.numel() if shape is not None else 0, flat))
     return pieces
 def local_state_dict(pieces: list[tuple[int, int, int, dict[str, Any]]], groups: list[dict[str, Any]],
