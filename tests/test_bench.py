@@ -318,3 +318,23 @@ def test_signal_ends_bench_and_every_rank(tmp_path, zero, how):
                 if _alive(pid):
                     os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_ranks_are_deaf_to_ctrl_c_from_their_start():
+    """A Ctrl-C while a rank was still importing (before its main ignored SIGINT) printed its KeyboardInterrupt
+    traceback; the ranks now start with SIGINT ignored, which exec keeps."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(30,), daemon=True)
+    try:
+        with bench._ranks_start_deaf_to_ctrl_c():
+            proc.start()
+        with open(f"/proc/{proc.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1)), "SIGINT not ignored in the starting rank"
+        assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's Ctrl-C is back
+    finally:
+        proc.kill()
+        proc.join(timeout=30)

@@ -122,8 +122,9 @@ def run_ranks(target: Callable[..., None], world_size: int, args: tuple, deadlin
                          name=f"ddpkit-bench-rank{rank}") for rank in range(world_size)]
     done: dict[int, Any] = {}
     try:
-        for proc in procs:
-            proc.start()
+        with _ranks_start_deaf_to_ctrl_c():
+            for proc in procs:
+                proc.start()
         _collect(procs, results, done, deadline, hint, progress)
     finally:
         for proc in procs:
@@ -196,6 +197,22 @@ def _terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _ranks_start_deaf_to_ctrl_c() -> Iterator[None]:
+    """Ctrl-C ignored while the ranks are started: an ignored signal stays ignored through exec, so a rank is deaf
+    to the terminal's Ctrl-C from its first instruction, not only once its main has run (a Ctrl-C while it was
+    still importing printed its KeyboardInterrupt traceback). The parent ignores it only for the few milliseconds
+    the starts take; it stops the ranks itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_interruptible(label: str, work: Callable[[], Any]) -> tuple[Any, int]:
