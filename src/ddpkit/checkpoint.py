@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from .atomic import replacing, replacing_path
 from .checkpoint_dir import (  # noqa: F401 - re-exported: this module's API
     PREFIX, TRAINER_STATE_FILE, aside_name, checkpoint_run, checkpoint_step, find_latest_checkpoint, fsync_path,
     latest_valid_checkpoint, list_checkpoints, remove_stale, rotate_checkpoints)
@@ -65,21 +66,15 @@ RNG_FILE = "rng_state_{rank}.pth"
 def write_json(path: str, obj: Any) -> int:
     """Write JSON through a temporary file and a rename, so readers never see half a file; its bytes' CRC-32."""
     data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
+    with replacing(path, "wb", durable=True) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return zlib.crc32(data)
 
 
 def save_weights(model: torch.nn.Module, path: str) -> None:
     """The model's weights as safetensors, atomically (tied weights are stored once)."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    save_model(model, tmp)
-    fsync_path(tmp)
-    os.replace(tmp, path)
+    with replacing_path(path, durable=True) as tmp:
+        save_model(model, tmp)
 
 
 def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,

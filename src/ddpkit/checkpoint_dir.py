@@ -18,6 +18,7 @@ import shutil
 import uuid
 import warnings
 
+from .atomic import fsync_path
 from .integrity import MARKER_FILE, CheckpointError, problems, read_marker
 
 PREFIX = "checkpoint"
@@ -25,15 +26,6 @@ TRAINER_STATE_FILE = "trainer_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 _ASIDE = re.compile(rf"^{PREFIX}-(\d+)\.run-(.+)$")  # aside_name's
 _TMP = re.compile(rf"^\.tmp-{PREFIX}-(\d+)-[0-9a-f]+$")  # a save's folder until published (ddpkit.checkpoint)
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def aside_name(path: str, run: str | None) -> str:

@@ -25,6 +25,8 @@ import time
 import traceback
 from types import TracebackType
 
+from .atomic import replacing
+
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 
 
@@ -109,10 +111,8 @@ def write_error_file(path: str, record: dict) -> bool:
     """
     if os.path.exists(path):
         return False
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fp:
+    with replacing(path) as fp:
         json.dump(record, fp)
-    os.replace(tmp, path)
     return True
 
 

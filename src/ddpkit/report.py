@@ -20,7 +20,7 @@ import time
 import warnings
 from typing import Any
 
-
+from .atomic import replacing
 from .env import console_columns
 
 METRICS_FILE = "metrics.jsonl"
@@ -69,12 +69,8 @@ class Reporter:
             aside = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.exists(f"{path}.{n}"))
             os.replace(path, aside)
         os.makedirs(self.output_dir, exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replacing(path, durable=True) as f:
             f.writelines(json.dumps(entry) + "\n" for entry in history)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def write(self, entry: dict[str, Any]) -> None:
         """One log entry (the Transformers log_history format: the values, "epoch" and "step")."""

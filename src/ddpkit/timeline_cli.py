@@ -12,9 +12,10 @@ import os
 import sys
 from typing import Any
 
+from .atomic import replacing
 from .timeline_spec import output_path_problem
 from .timeline_summary import format_summary, summarize
-from .timeline_trace import replacing, write_json
+from .timeline_trace import write_json
 
 # (field, legend, colour): the parts a step's time is split into, bottom to top of each bar.
 PARTS = (("compute_ms", "compute", "#4c72b0"), ("exposed_comm_ms", "exposed communication", "#c44e52"),
@@ -93,7 +94,7 @@ def draw(summary: dict[str, Any], path: str) -> None:
                  f"{summary['steps_asked'][1]}")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     try:
-        with replacing(path, "wb") as f:  # the temporary's name ends in .tmpPID: say the format
+        with replacing(path, "wb") as f:  # the temporary's name hides the extension: say the format
             fig.savefig(f, format="png", dpi=110)
     finally:
         plt.close(fig)

@@ -10,13 +10,12 @@ step the run completed (below A or B when it ended first) and the clock alignmen
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import os
 import time
-from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
+
+from .atomic import replacing
 
 COMPUTE, COMM = 0, 1  # track (thread) ids
 TRACK_NAMES = {COMPUTE: "compute", COMM: "communication"}
@@ -94,25 +93,6 @@ def _rank_events(rank: int, raw: list[list], origin: float) -> list[dict[str, An
 
 def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
-
-
-@contextlib.contextmanager
-def replacing(path: str, mode: str = "w") -> Iterator[IO[Any]]:
-    """A file to write `path` through, whole or not at all: a temporary beside it (same folder, so the rename
-    stays on one file system) that replaces `path` once closed. When the writing or the rename fails (a folder
-    at `path`, a full disk) the temporary is removed and the error propagates, naming `path`. A reader never
-    sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise OSError(exc.errno, exc.strerror, path) from exc  # the same subclass, for the file asked for
-        raise
 
 
 def write_json(path: str, value: Any, indent: int | None = None) -> None:

@@ -1,0 +1,63 @@
+"""ddpkit.atomic: a file is replaced whole or not at all, by every writer that goes through it."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from ddpkit import atomic, checkpoint, errors
+from ddpkit.report import Reporter
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text("old")
+    with pytest.raises(ValueError):
+        with atomic.replacing(str(path)) as f:
+            f.write("half a fi")
+            raise ValueError("the writer failed")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["state.json"]
+    with atomic.replacing(str(path), durable=True) as f:
+        f.write("new é")
+    assert path.read_text(encoding="utf-8") == "new é" and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_a_failed_rename_names_the_target_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "taken"
+    target.mkdir()  # a folder where the file should go: the rename fails after the whole file was written
+    for write in (lambda: checkpoint.write_json(str(target), {"a": 1}),
+                  lambda: errors.write_error_file(str(tmp_path / "missing" / "error.json"), {"a": 1})):
+        with pytest.raises(OSError) as raised:
+            write()
+        assert raised.value.filename in (str(target), str(tmp_path / "missing" / "error.json"))
+    assert sorted(os.listdir(tmp_path)) == ["taken"] and os.listdir(target) == []
+
+
+def test_writers_of_one_path_never_share_a_temporary(tmp_path):
+    """Two threads (or a rank and its launcher) replacing one file: each writes its own temporary, so the file
+    ends as one writer's whole content, never a mix, and no temporary is left."""
+    path = str(tmp_path / "shared.json")
+    contents = [{"writer": w, "filler": "x" * 200_000} for w in range(4)]
+    threads = [threading.Thread(target=lambda c=c: [checkpoint.write_json(path, c) for _ in range(5)])
+               for c in contents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert json.load(open(path)) in contents and os.listdir(tmp_path) == ["shared.json"]
+    assert atomic.temporary_name(path) != atomic.temporary_name(path)
+
+
+def test_durable_writes_fsync_the_file_and_its_folder(tmp_path, monkeypatch):
+    synced = []
+    real = atomic.fsync_path
+    monkeypatch.setattr(atomic, "fsync_path", lambda p: (synced.append(p), real(p)))
+    checkpoint.write_json(str(tmp_path / "a.json"), [1])
+    assert len(synced) == 2 and synced[1] == str(tmp_path) and synced[0].startswith(str(tmp_path / "a.json.tmp-"))
+    Reporter(str(tmp_path), [], is_main=True)._start_metrics([{"loss": 1.0, "step": 1}], continues=False)
+    assert synced[-1] == str(tmp_path) and (tmp_path / "metrics.jsonl").read_text() == '{"loss": 1.0, "step": 1}\n'
+    synced.clear()
+    with atomic.replacing(str(tmp_path / "b.txt")) as f:  # not durable: no fsync
+        f.write("b")
+    assert synced == []
