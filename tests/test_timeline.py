@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddpkit import cli, env, launch, timeline_spec, timeline_summary
 from ddpkit.args import ArgumentError, TrainingArguments
@@ -168,6 +169,30 @@ def test_a_trace_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no t.json.tmpPID left beside it
 
 
+class _GoneStore:
+    """A store whose host died: every call fails, as TCPStore's do then."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise dist.DistNetworkError("Connection reset by peer")
+        return fail
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_store_that_fails_at_the_merge_costs_the_trace_not_the_step(tmp_path, rank):
+    timeline = Timeline(rank, 2, (1, 1), str(tmp_path / "t.json"), store=_GoneStore(), prefix="p/")
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad, opt = torch.ones(1), torch.optim.SGD([param], lr=1.0)
+    timeline.watch_optimizers()
+    with pytest.warns(RuntimeWarning, match="could not meet in the store .*Connection reset by peer"):
+        for _ in range(3):
+            opt.step()  # step 1's end flushes from inside the optimizer hook
+    assert param.item() == -3.0 and timeline.done
+    written = json.loads((tmp_path / "t.json").read_text()) if rank == 0 else None
+    assert (tmp_path / "t.json").exists() == (rank == 0)
+    assert written is None or {e.get("pid") for e in written["traceEvents"] if e.get("ph") == "X"} == {0}
+
+
 @pytest.mark.parametrize("window, taken, says", [((1000, 1010), 23, "23, before step 1000: the window was never "
                                                   "reached"), ((3, 8), 5, "5, before step 8: steps 3 to 5")])
 def test_a_run_that_ends_before_the_window_says_so(tmp_path, capsys, window, taken, says):
@@ -284,6 +309,7 @@ def _check_summary(summary, results):
 
 TRAINER_SCRIPT = """
 import torch
+import torch.distributed as dist
 from torch import nn
 import ddpkit
 from ddpkit import Trainer, TrainingArguments

@@ -190,14 +190,19 @@ class Timeline(NullRecorder):
         self._hooks = []
         if self.path is None:
             return  # a benchmark's or a test's timeline: the events stay here
-        mine = self.payload()
-        if self.store is None or self.world_size == 1:
-            payloads = {self.rank: mine}
-        else:
-            timeline_trace.publish(self.store, self.prefix, self.rank, mine)
+        payloads = {self.rank: self.payload()}
+        if self.store is not None and self.world_size > 1:
+            try:
+                timeline_trace.publish(self.store, self.prefix, self.rank, payloads[self.rank])
+                if self.rank == 0:
+                    payloads = timeline_trace.gather(self.store, self.prefix, self.world_size,
+                                                     self.gather_timeout_s)
+            except Exception as exc:  # the store is gone with its host: the job is failing, and its next
+                # collective says why (a peer that vanished), which a store error raised from here would hide
+                warnings.warn(f"ddpkit timeline: the ranks could not meet in the store to merge the trace "
+                              f"({exc!r}); rank 0 writes only its own events", RuntimeWarning, stacklevel=2)
             if self.rank != 0:
                 return
-            payloads = timeline_trace.gather(self.store, self.prefix, self.world_size, self.gather_timeout_s)
         # Usually from inside an optimizer step (the hook that ended step B): a trace that cannot be written (a
         # full disk, a folder that became read-only) costs the trace, never the training run. Once per timeline,
         # as flush is.
