@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,7 +77,8 @@ OUT_OF_RANGE = [(["--zero", "--repeats", "0"], "--repeats", "an integer >= 1"),
                 (["--threads", "0"], "--threads", "an integer >= 1"),
                 (["--bucket-cap-mb", "0"], "--bucket-cap-mb", "a finite number > 0"),
                 (["--timeout", "nan"], "--timeout", "a finite number > 0"),
-                (["--world-size", "two"], "--world-size", "an integer >= 1")]
+                (["--world-size", "two"], "--world-size", "an integer >= 1"),
+                (["--seed", "-1"], "--seed", "an integer >= 0")]
 
 
 @pytest.mark.parametrize("argv, option, allowed", OUT_OF_RANGE, ids=[" ".join(c[0]) for c in OUT_OF_RANGE])
@@ -87,6 +89,35 @@ def test_out_of_range_option_exits_with_usage(argv, option, allowed, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: ") and f"error: argument {option}: must be {allowed}, got " in err, err
+
+
+def test_seed_beyond_torchs_range_is_refused_before_starting_ranks(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--seed", str(bench.SEED_LIMIT), "--models", "mlp"])
+    assert exc.value.code == 2 and f"seed must be an integer in [0, {bench.SEED_LIMIT})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["progress", "quiet"])
+def test_zero_smoke_writes_json_and_only_its_own_lines(tmp_path, quiet):
+    """One tiny round of every variant: the table, --json with every rank's figures, a progress line per model
+    unless --quiet, and nothing else on stderr (the memory profiler's C++ side prints at each start and stop)."""
+    from ddpkit import bench_zero
+
+    path = tmp_path / "zero.json"
+    done = subprocess.run([sys.executable, "-m", "ddpkit.bench", "--zero", "--models", "transformer", "--repeats",
+                           "1", "--steps", "1", "--warmup", "0", "--timeout", "240", "--json", str(path),
+                           *(["--quiet"] if quiet else [])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("transformer")] == \
+        list(bench_zero.VARIANTS)
+    assert done.stderr == ("" if quiet else done.stderr.splitlines()[0] + "\n"), done.stderr
+    assert quiet or re.fullmatch(r"\[bench --zero\] transformer: measured in \d+ s\n", done.stderr), done.stderr
+    report = json.loads(path.read_text())
+    assert report["options"]["repeats"] == 1 and report["variants"] == list(bench_zero.VARIANTS)
+    assert len(report["per_rank"]) == 2
+    for rank in report["per_rank"]:
+        assert set(rank["transformer"]["times"]) == set(bench_zero.VARIANTS)
+        assert all(rank["transformer"]["state_bytes"][v] > 0 for v in bench_zero.VARIANTS)
 
 
 def test_zero_run_rejects_nonsense_before_starting_ranks():

@@ -46,10 +46,13 @@ from typing import Any
 
 import torch
 
+from .atomic import replacing
 from .bench_rank import VARIANTS, rank_main, round_order, variants_of  # noqa: F401 - the benchmark's API
 from .bench_report import RATIOS, format_table, ratio_stats, summarise  # noqa: F401
 from .bench_workloads import WORKLOADS
 from .env import free_port
+
+SEED_LIMIT = 2**53  # so that a rank's data seed, 1000 * seed + rank, stays below torch's limit (2**64)
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
@@ -83,6 +86,8 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, {SEED_LIMIT}), got {self.seed}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout_s} s")
         if self.compile is not None:
@@ -247,6 +252,12 @@ def bounded(kind: type, low: float, strict: bool = False) -> Callable[[str], Any
     return parse
 
 
+def check_json_path(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """--json's folder must exist: said before minutes of measuring, not after."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        parser.error(f"--json {path}: its directory does not exist")
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
     from .bench_zero import SUMMARY as ZERO_SUMMARY
 
@@ -275,7 +286,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="bucket size for both wrappers, MiB (default: their own, 25)")
     parser.add_argument("--threads", type=bounded(int, 1), default=defaults.threads,
                         help="torch threads per rank (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="model and data seed")
+    parser.add_argument("--seed", type=bounded(int, 0), default=defaults.seed,
+                        help=f"model and data seed, below {SEED_LIMIT} (default %(default)s)")
     parser.add_argument("--timeout", type=bounded(float, 0, strict=True), default=defaults.timeout_s,
                         help="deadline for the whole run, seconds (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write every number (per step, per round) here")
@@ -298,8 +310,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
         return zero_main(argv, prog=f"{prog} --zero")
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json {args.json}: its directory does not exist")  # before minutes of measuring, not after
+    check_json_path(parser, args.json)
     try:
         cfg = BenchConfig(world_size=args.world_size, single=args.single, models=tuple(dict.fromkeys(args.models)),
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats,
@@ -319,7 +330,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ddpkit.bench"
           f"{cfg.steps} steps x {cfg.repeats} rounds per variant after {cfg.warmup} warm-up; rank 0 medians")
     print(format_table(report["results"]))
     if args.json:
-        with open(args.json, "w") as fh:
+        with replacing(args.json) as fh:
             json.dump(report, fh, indent=1)
     return 0
 

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .bench import WORKLOADS, bounded, ratio_stats, round_order, run_interruptible, run_ranks
+from .atomic import replacing
+from .bench import WORKLOADS, bounded, check_json_path, ratio_stats, round_order, run_interruptible, run_ranks
 from .bench_rank import become_rank
 from .bench_zero_memory import grad_bytes, peak_bytes, state_bytes
 
@@ -133,7 +135,7 @@ def _grads_after_backward(model, optimizer, workload, batch) -> int:
     return held
 
 
-def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) -> None:
+def _rank_main(rank, world_size, port, models, steps, warmup, repeats, timeout_s, results) -> None:
     become_rank(rank, world_size, port)
     try:
         import ddpkit
@@ -141,9 +143,15 @@ def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) 
         torch.set_num_threads(1)
         # FSDP2 warns at every forward that the MLP's output is a view; the comparison does not modify it in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        ddpkit.init_process_group(backend="gloo", device_type="cpu", timeout=600)
+        # A collective never waits longer than the whole run may last (the parent ends the ranks at that deadline).
+        ddpkit.init_process_group(backend="gloo", device_type="cpu", timeout=timeout_s)
         try:
-            out = {name: measure(name, rank, steps, warmup, repeats) for name in models}
+            out = {}
+            for name in models:
+                began = time.monotonic()
+                out[name] = measure(name, rank, steps, warmup, repeats)
+                if rank == 0:
+                    results.put(("progress", rank, f"{name}: measured in {time.monotonic() - began:.0f} s"))
         finally:
             ddpkit.destroy_process_group()
         results.put(("ok", rank, out))
@@ -152,15 +160,15 @@ def _rank_main(rank, world_size, port, models, steps, warmup, repeats, results) 
 
 
 def run(models: Sequence[str], world_size: int = 2, steps: int = 3, warmup: int = 2, repeats: int = 6,
-        timeout_s: float = 900.0) -> list[dict[str, Any]]:
+        timeout_s: float = 900.0, progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Every rank's measurements; no rank outlives the call (bench.run_ranks: a failure raises BenchError)."""
     for name, value, low in (("world_size", world_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
                              ("repeats", repeats, 1)):
         if value < low:
             raise ValueError(f"bench --zero: {name} must be >= {low}, got {value}")
     hint = f"{timeout_s:.0f} s; raise it with --timeout"
-    done = run_ranks(_rank_main, world_size, (tuple(models), steps, warmup, repeats), time.monotonic() + timeout_s,
-                     hint)
+    done = run_ranks(_rank_main, world_size, (tuple(models), steps, warmup, repeats, timeout_s),
+                     time.monotonic() + timeout_s, hint, progress)
     return [done[r] for r in range(world_size)]
 
 
@@ -196,18 +204,29 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="rounds (the order rotates each round; default %(default)s)")
     parser.add_argument("--timeout", type=bounded(float, 0, strict=True), default=900.0,
                         help="deadline for the whole run, seconds (default %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="also write every number (per rank, per round) here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ddpkit bench --zero") -> int:
-    args = _parser(prog).parse_args(argv)
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    progress = (lambda line: None) if args.quiet else (
+        lambda line: print(f"[bench --zero] {line}", file=sys.stderr, flush=True))
     per_rank, code = run_interruptible("ddpkit bench --zero", lambda: run(
-        args.models, args.world_size, args.steps, args.warmup, args.repeats, args.timeout))
+        args.models, args.world_size, args.steps, args.warmup, args.repeats, args.timeout, progress))
     if code:
         return code
     print(f"ddpkit bench --zero: AdamW, gloo, {args.world_size} ranks x 1 thread, rank 0 medians of "
           f"{args.repeats} rounds x {args.steps} steps")
     print(format_table(per_rank))
+    if args.json:
+        options = {k: v for k, v in vars(args).items() if k not in ("zero", "json", "quiet")}
+        with replacing(args.json) as f:
+            json.dump({"options": options, "variants": list(VARIANTS), "torch": torch.__version__,
+                       "per_rank": per_rank}, f, indent=1)
     return 0
 
 

@@ -17,8 +17,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,13 +60,19 @@ def peak_bytes(build: Callable[[], Any], step: Callable[[Any], None], steps: int
     """The peak of live CPU tensor bytes allocated while `build()` runs and then `step(built)` `steps` times."""
     from torch.profiler import ProfilerActivity, profile
 
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frees of blocks allocated before profiling are left out: intended
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _profiler_chatter_dropped():
+            prof.start()
+        try:
             built = build()
             for _ in range(steps):
                 step(built)
             del built
+        finally:
+            with _profiler_chatter_dropped():
+                prof.stop()
     records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU)
     live = peak = 0
@@ -70,3 +80,25 @@ def peak_bytes(build: Callable[[], Any], step: Callable[[Any], None], steps: int
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _profiler_chatter_dropped() -> Iterator[None]:
+    """The profiler's C++ side (kineto) prints lines such as "USDT:... profiler_start" to stderr at each start and
+    stop, whatever its log level: while it starts or stops, this process's stderr goes to a temporary file, and
+    every other line is passed on afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not line.startswith(("USDT:", "STAGE:")))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
