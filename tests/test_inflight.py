@@ -1,4 +1,6 @@
-"""ddpkit.inflight: a held parameter's first read, whatever makes it, waits for its gather; clearing .grad does not."""
+"""ddpkit.inflight: a held parameter's first read, whatever makes it, waits for its gather; clearing .grad does not.
+And the gathers' owner (ddpkit.zero_grads.GradShards), on an accelerator: a first read on a side stream orders the
+step's stream after it."""
 
 from __future__ import annotations
 
@@ -133,3 +135,47 @@ def test_an_unlandable_parameter_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="inside a container"):  # torch saw it, the walk cannot: no recursion
         InFlight.__torch_function__(torch.add, (InFlight,), (Box(module.weight), 1))
+
+
+class _Stream:
+    """Stands for an accelerator stream: which streams it was made to wait for."""
+
+    def __init__(self, name):
+        self.name, self.waited_for = name, []
+
+    def wait_stream(self, other):
+        self.waited_for.append(other.name)
+
+
+class _Unit:
+    def __init__(self, params):
+        self.params, self.finished = params, 0
+
+    def finish_gather(self, handle):
+        self.finished += 1
+
+
+def test_a_gather_first_waited_for_on_a_side_stream_orders_the_step_stream_too(monkeypatch):
+    """On an accelerator a wait orders only the current stream. When the first read of a held bucket comes on
+    a side stream, the stream the step ran on must wait for that one too: released parameters wait no more,
+    so the next forward, on the step's stream, would otherwise read them before the gather is in. (CI has no
+    accelerator: the streams here are stand-ins, and this checks who is made to wait for whom.)"""
+    import ddpkit.zero_grads as zero_grads
+    from ddpkit.comm import Comm
+
+    module = nn.Linear(2, 2)
+    shards = zero_grads.GradShards(module, list(module.parameters()), Comm())
+    step_stream, side_stream = _Stream("step"), _Stream("side")
+    current = [step_stream]
+    monkeypatch.setattr(zero_grads, "_current_stream", lambda device: current[0])
+    for first_read_on, expected in ((side_stream, ["side"]), (step_stream, [])):
+        step_stream.waited_for.clear()
+        unit = _Unit(list(module.parameters()))
+        current[0] = step_stream
+        shards.add_gather(0, unit, handle=object())  # issued on the step's stream
+        current[0] = first_read_on
+        module.weight.detach()  # the first read lands the bucket
+        assert unit.finished == 1 and not shards.gathers
+        assert all(type(p) is nn.Parameter for p in module.parameters())
+        assert step_stream.waited_for == expected, (first_read_on.name, step_stream.waited_for)
+    assert side_stream.waited_for == []

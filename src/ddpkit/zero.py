@@ -43,7 +43,7 @@ from .comm import Comm
 from .join import ZeroJoinHook, refuse_stage_2
 from .zero_grads import grad_shards_of, refuse_blind_scaler, unit_plan
 from .zero_local import ELEMENTWISE, copy_down, copy_up, foreach_tensors, gets_whole_parameters, name_of
-from .zero_partition import chunk_positions, partition_flat, partition_whole
+from .zero_partition import chunk_positions, partition_flat, partition_whole, place_empty
 from .zero_state import local_state_dict, slice_state, whole_pieces, whole_state_dict
 from .zero_unit import Unit, clip_shards_, step_units
 
@@ -233,7 +233,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             bucket = shards.buckets[index]
             indices = [number.get(id(p)) for p in bucket.params]
             groups = [group_of.get(id(p)) for p in bucket.params]
-            unit = Unit(f"bucket {index}", indices, bucket.params, groups, unit_plan(bucket.layout), self.comm,
+            plan = place_empty(unit_plan(bucket.layout))  # a parameter of 0 elements steps on one rank too
+            unit = Unit(f"bucket {index}", indices, bucket.params, groups, plan, self.comm,
                         False, functools.partial(shards.piece_grad, index), index=index)
             self.units.append(unit)
             for piece, tensor in zip(unit.mine, unit.locals):

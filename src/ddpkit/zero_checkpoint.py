@@ -89,7 +89,9 @@ def _saved_pieces(folder: str, whole_file: str | None, shapes: list[torch.Size]
 def _assemble(want: tuple[int, int, int], pieces_of: dict[int, list]) -> dict[str, Any] | None:
     """The state of elements [start, stop) of a parameter, copied out of whichever saved pieces cover them."""
     index, start, stop = want
-    covering = [p for p in pieces_of.get(index, ()) if p[1] < stop and p[2] > start]
+    saved = pieces_of.get(index, ())
+    # A parameter of 0 elements: its one piece covers no element, yet holds its state (zero_partition.place_empty)
+    covering = [p for p in saved if p[1] < stop and p[2] > start] if stop > start else saved[:1]
     if not covering:
         return None
     out: dict[str, Any] = {}

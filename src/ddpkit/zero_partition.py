@@ -11,6 +11,10 @@ Two ways to cut:
     partition_whole  whole parameters, greedily to the least loaded rank (largest first); S is the largest
                      load. For optimizers that need a tensor's shape (Adafactor's row and column statistics).
 
+A parameter of 0 elements has no element to own, yet the unsharded optimizer keeps state for it once it has a
+gradient (AdamW's step count and empty moments): `place_empty` gives each such parameter one piece of 0 elements,
+on one rank, so that some rank's optimizer steps it and its state is saved and loaded as any other's.
+
 Either way, element e of piece (param, start, stop, offset) of rank r lies at `r * S + offset + (e - start)` of
 the gathered flat buffer, and the pieces of one parameter are adjacent there (one contiguous run), so a
 parameter can be a view into that buffer (parameters_as_bucket_view).
@@ -86,7 +90,7 @@ def partition_flat(numels: Sequence[int], world_size: int) -> UnitPlan:
                 pieces.append(Piece(index, begin - at, end - at, begin - lo))
             at += n
         segments.append(tuple(pieces))
-    return UnitPlan(tuple(numels), tuple(segments), size, whole=False)
+    return place_empty(UnitPlan(tuple(numels), tuple(segments), size, whole=False))
 
 
 def partition_whole(numels: Sequence[int], world_size: int) -> UnitPlan:
@@ -103,11 +107,29 @@ def partition_whole(numels: Sequence[int], world_size: int) -> UnitPlan:
     for rank in range(world_size):
         pieces, at = [], 0
         for index, n in enumerate(numels):
-            if owner[index] == rank and n > 0:
+            if owner[index] == rank:  # a parameter of 0 elements too: a piece of 0 elements, as place_empty's
                 pieces.append(Piece(index, 0, n, at))
                 at += n
         segments.append(tuple(pieces))
     return UnitPlan(tuple(numels), tuple(segments), max(load) if load else 0, whole=True)
+
+
+def place_empty(plan: UnitPlan) -> UnitPlan:
+    """`plan` (a flat one: partition_flat's, or a stage-2 bucket's, laid out alike) with a piece of 0 elements for
+    every parameter of 0 elements that has none: on the rank whose segment holds the unit's next element at that
+    place (the last rank at the end; rank 0 in a unit of no elements), at that offset of its segment."""
+    held = {piece.param for segment in plan.segments for piece in segment}
+    empty = [index for index, n in enumerate(plan.numels) if n == 0 and index not in held]
+    if not empty:
+        return plan
+    segments = [list(segment) for segment in plan.segments]
+    size = plan.segment_numel
+    for index in empty:
+        at = sum(plan.numels[:index])  # where its elements would begin in the unit
+        rank = min(at // size, plan.world_size - 1) if size else 0
+        segments[rank].append(Piece(index, 0, 0, at - rank * size))
+    ordered = tuple(tuple(sorted(segment, key=lambda piece: (piece.offset, piece.param))) for segment in segments)
+    return dataclasses.replace(plan, segments=ordered)
 
 
 # Stage 1 cuts each param group and dtype into units of at least this many bytes of whole parameters, so that

@@ -121,10 +121,11 @@ class Unit:
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients this rank's optimizer reads (its shard), for the global norm: a stage-2 bucket's
-        parameters that are not this optimizer's (indices None: another optimizer's, or none's) are left out."""
+        parameters that are not this optimizer's (indices None: another optimizer's, or none's) are left out, and
+        so are gradients of 0 elements, which add nothing to a norm (and torch's inf-norm kernel refuses them)."""
         if self.plan.whole:
-            return [p.grad for p in self.locals if p.grad is not None]
-        mine = [piece for piece in self.mine if self.indices[piece.param] is not None]
+            return [p.grad for p in self.locals if p.grad is not None and p.numel()]
+        mine = [piece for piece in self.mine if self.indices[piece.param] is not None and piece.numel]
         return [g for g in map(self.grad_of, mine) if g is not None]
 
     # -- the all-gather -------------------------------------------------------------------------------------------
