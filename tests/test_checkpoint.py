@@ -252,14 +252,16 @@ def test_checkpoint_knows_only_env_comm_and_integrity():
     local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
     # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the
     # checksummed writes and failure explanations of integrity (a leaf); atomic: whole-file writes (a leaf).
-    assert local <= {".atomic", ".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".zero_checkpoint"}
+    assert local <= {".atomic", ".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".weights",
+                     ".zero_checkpoint"}
     with open(ckpt.__file__.replace("checkpoint.py", "checkpoint_dir.py"), encoding="utf-8") as f:
         assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {
             ".atomic", ".integrity"}
     with open(ckpt.__file__.replace("checkpoint.py", "zero_checkpoint.py"), encoding="utf-8") as f:
         assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {
             ".zero_state", ".integrity"}
-    for leaf in (integrity.__file__, integrity.__file__.replace("integrity.py", "atomic.py")):
+    for leaf in ("integrity.py", "atomic.py", "weights.py"):
+        leaf = integrity.__file__.replace("integrity.py", leaf)
         with open(leaf, encoding="utf-8") as f:
             assert "from ." not in f.read()  # the checks and the writes know nothing of ours
 

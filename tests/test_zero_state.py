@@ -127,11 +127,13 @@ def continue_from(world, folder, config, cls):
     for name, (module, _, opt) in runs.items():
         # A copy each: torch's load_state_dict keeps the very tensors it is given, and steps them in place
         saved = torch.load(os.path.join(folder, "plain.pt"), weights_only=True)
-        module.load_state_dict(saved["module"])
+        if name != "resumed":
+            module.load_state_dict(saved["module"])
         if name in ("plain", "loaded"):
             opt.load_state_dict(saved["optimizer"])
-        else:
-            load_checkpoint(os.path.join(folder, f"checkpoint-{SAVED_AT}"), optimizer=opt, world=world)
+        else:  # "resumed" takes its weights from the checkpoint too: into the flat buffer's views under bucket_view
+            load_checkpoint(os.path.join(folder, f"checkpoint-{SAVED_AT}"), optimizer=opt, world=world,
+                            model=module if name == "resumed" else None)
     out = {}
     for when in ("loaded", "stepped"):
         want = runs["plain"][2].state_dict()
@@ -171,9 +173,9 @@ def save_and_compare(world, folder, config, resumed):
             os.makedirs(where, exist_ok=True)
             torch.save({"module": plain[0].state_dict(), "optimizer": plain[2].state_dict()},
                        os.path.join(where, "plain.pt"))
-        # The weights from the unsharded run (the same, see "params"): safetensors refuses parameters that are
-        # views of one buffer none of them covers, as parameters_as_bucket_view makes them (not this test's matter)
-        save_checkpoint(where, SAVED_AT, model=plain[0], optimizer=zero[2], trainer_state={"global_step": SAVED_AT},
+        # ZeRO's weights (the unsharded run's, see "params"); with parameters_as_bucket_view each is a view of one
+        # flat buffer, which safetensors' own save_model refuses to write (ddpkit.weights writes each view's values)
+        save_checkpoint(where, SAVED_AT, model=zero[0], optimizer=zero[2], trainer_state={"global_step": SAVED_AT},
                         comm=ddpkit.Comm.for_group(), world=world)
         got["files"] = sorted(f for f in os.listdir(os.path.join(where, f"checkpoint-{SAVED_AT}"))
                               if f.startswith("optimizer"))

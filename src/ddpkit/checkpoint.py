@@ -40,7 +40,6 @@ import zlib
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
 
 from .atomic import replacing, replacing_path
 from .checkpoint_dir import (  # noqa: F401 - re-exported: this module's API
@@ -51,6 +50,7 @@ from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
                         write_failure, write_failures)
 from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
+from .weights import load_weights_file, save_weights_file
 from .zero_checkpoint import foreign_state, is_sharded, read_into, shard_files, shard_index, stage_shards
 
 MODEL_FILE = "model.safetensors"
@@ -72,9 +72,9 @@ def write_json(path: str, obj: Any) -> int:
 
 
 def save_weights(model: torch.nn.Module, path: str) -> None:
-    """The model's weights as safetensors, atomically (tied weights are stored once)."""
+    """The model's weights as safetensors, atomically (ddpkit.weights: tied weights are stored once)."""
     with replacing_path(path, durable=True) as tmp:
-        save_model(model, tmp)
+        save_weights_file(model, tmp)
 
 
 def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
@@ -82,7 +82,7 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
     ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
     sums = dict(crc32 or {})
-    save_model(model, os.path.join(folder, MODEL_FILE))
+    save_weights_file(model, os.path.join(folder, MODEL_FILE))
     # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
     sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
     # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
@@ -288,7 +288,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     rank = world.rank if world is not None else 0
     if model is not None:
         try:
-            load_model(model, os.path.join(path, MODEL_FILE), strict=True, device=str(device))
+            load_weights_file(model, os.path.join(path, MODEL_FILE), device=str(device))
         except RuntimeError as exc:  # missing, unexpected or differently shaped weights
             found = str(exc).strip().rstrip(".")[:800]
             raise ValueError(f"{path} holds the weights of another model than this {type(model).__name__}: "
