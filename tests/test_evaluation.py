@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from conftest import Classifier, accuracy, classification_data, run_world, trainer_args
+from conftest import (Classifier, Tagger, accuracy, classification_data, pad_collate, run_world, token_data,
+                      trainer_args)
 
 import numpy as np
 
@@ -46,6 +49,22 @@ class AsTuple(Classifier):
         return (out["logits"], torch.zeros(len(x))) if labels is None else (out["loss"], out["logits"])
 
 
+class Targeted(nn.Module):
+    """Labels under other names than "labels": `target`, which no default label name finds, and `idx`."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(6, 3)
+
+    def forward(self, x, target=None, idx=None):
+        logits = self.net(x)
+        return {"logits": logits} if target is None else {"loss": F.cross_entropy(logits, target), "logits": logits}
+
+
+def targeted(samples):
+    return [{"x": s["x"], "target": s["labels"], "idx": s["idx"]} for s in samples]
+
+
 def predictions(trainer, out):
     """predict on 7 samples (batches of 2: 0-1 and 4-5 on rank 0, 2-3 and 6 on rank 1), with labels and without,
     against one process's forward on all 7;
@@ -74,6 +93,9 @@ def predictions(trainer, out):
     floats = [{**s, "x": s["x"].float()} for s in test]  # autocast runs float32 layers in bfloat16
     in_bf16 = Trainer(Classifier(), trainer_args(f"{out}/bf16", bf16=True)).predict(floats).predictions
     found["bf16"] = (in_bf16.dtype, np.abs(in_bf16 - found["tuple truth"]).max())
+    torch.manual_seed(0)
+    named = Trainer(Targeted().double(), trainer_args(f"{out}/named", label_names=["target", "idx"]))
+    found["named"] = named.predict(targeted(test)).label_ids  # one rank's batches 0-1, 4-5, the other's 2-3, 6
     halves = [s if i // 2 % 2 == 0 else {"x": s["x"]} for i, s in enumerate(test)]  # rank 0's labelled, 1's not
     try:
         trainer.predict(halves)
@@ -108,6 +130,10 @@ def check_predictions(pred0, pred1):
         np.testing.assert_allclose(pred["tuple"], pred["tuple truth"], rtol=0, atol=1e-12)
         assert pred["bf16"][0] == np.float32 and pred["bf16"][1] < 0.05
         assert "some batches of the dataset have labels and some do not" in pred["halves"]
+        # Several label_names: a tuple of label arrays, each gathered into dataset order.
+        assert isinstance(pred["named"], tuple) and len(pred["named"]) == 2
+        np.testing.assert_array_equal(pred["named"][0], pred0["labels"])
+        np.testing.assert_array_equal(pred["named"][1], np.arange(7))
     np.testing.assert_array_equal(pred0["labelled"][0], pred1["labelled"][0])
 
 
@@ -186,3 +212,57 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world
     assert sorted(trainer.evaluate({"c": sets["b"]}, metric_key_prefix="x")) == [
         "epoch", "x_c_loss", "x_c_runtime", "x_c_samples_per_second", "x_c_steps_per_second"]
     assert trainer.predict(sets["a"], ignore_keys=["hidden"]).predictions.shape == (4, 3)
+
+
+def test_label_names_are_the_labels_of_predict_and_compute_metrics_as_in_transformers(tmp_path, local_world):
+    """Transformers 5 takes a batch's labels from label_names (by default its forward's parameters named for
+    labels): label_ids, and the loss of predict, for a batch that holds them all. ddpkit read "labels" only:
+    compute_metrics got label_ids None under label_names=["target"]."""
+    import transformers
+
+    data, seen = targeted(classification_data(7, seed=2)), []
+
+    def metrics(pred):
+        seen.append(pred.label_ids)
+        return {}
+
+    for names in (["target"], ["target", "idx"]):
+        torch.manual_seed(0)
+        hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2,
+                                                 use_cpu=True, report_to="none", label_names=names)
+        theirs = transformers.Trainer(model=Targeted().double(), args=hf_args).predict(data)
+        torch.manual_seed(0)
+        trainer = Trainer(Targeted().double(), trainer_args(tmp_path / "mine", per_device_eval_batch_size=2,
+                                                            label_names=names), compute_metrics=metrics)
+        mine = trainer.predict(data)
+        trainer.evaluate(data)
+        for got in (mine.label_ids, seen[-1]):
+            if len(names) == 1:
+                np.testing.assert_array_equal(got, theirs.label_ids)
+            else:
+                assert len(got) == 2 and all((a == b).all() for a, b in zip(got, theirs.label_ids))
+        assert mine.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], rel=1e-6)
+    # No label_names: none of Targeted's parameters is named for labels, so a batch has none (nor has it there).
+    assert Trainer(Targeted().double(), trainer_args(tmp_path / "none")).predict(data).label_ids is None
+
+
+def tagged_world(world, out):
+    torch.manual_seed(0)
+    found = Trainer(Tagger(), trainer_args(out, per_device_eval_batch_size=2), data_collator=pad_collate).predict(
+        token_data(7))
+    return found.predictions, found.label_ids
+
+
+def test_batches_of_different_lengths_are_padded_as_in_transformers(tmp_path):
+    """Batches padded to their own longest sequence: Transformers pads the shorter ones' predictions and labels with
+    -100 to the longest of all; ddpkit's concatenation raised (a token classifier's compute_metrics never ran)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2,
+                                             use_cpu=True, report_to="none", disable_tqdm=True)
+    theirs = transformers.Trainer(model=Tagger(), args=hf_args, data_collator=pad_collate).predict(token_data(7))
+    assert (theirs.label_ids == -100).any()  # the batches do differ in length
+    for predictions, label_ids in run_world(tagged_world, world_size=2, args=(str(tmp_path / "mine"),)):
+        np.testing.assert_allclose(predictions, theirs.predictions, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(label_ids, theirs.label_ids)

@@ -333,8 +333,6 @@ def test_tuple_batches_with_an_items_aware_model_are_normalised(tmp_path, local_
         assert np.allclose(a, b, atol=1e-6)
 
 
-
-
 def test_logs_and_evaluation_metrics_carry_the_epoch_as_in_transformers(tmp_path, local_world):
     """on_log gets what log_history holds but the step, and evaluate() returns the epoch with its metrics; before,
     both lacked "epoch"."""

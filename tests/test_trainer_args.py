@@ -63,14 +63,20 @@ def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, local_world):
 
 
 def test_a_stop_checkpoint_is_whole_under_save_only_model(tmp_path, local_world):
-    """SIGTERM or Ctrl-C (asked here as their handler asks) writes a checkpoint only to resume from: whole, even
-    over a model-only one of the same step; the run then resumes from it."""
+    """SIGTERM or Ctrl-C (asked here as their handler asks) writes a checkpoint only to resume from: whole, also where
+    save_only_model's schedule saves the step the ranks stop after, which is then saved once (on_save once); the
+    run then resumes from it. Before, that step was saved model-only and then again, whole, with a second on_save."""
     from ddpkit.callbacks import TrainerCallback
 
     class Interrupt(TrainerCallback):
+        saved = []
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                trainer._stop.requested = True
+                trainer._stop.requested = True  # the ranks agree on it with the next window: they stop after step 3
+
+        def on_save(self, args, state, control, **kwargs):
+            self.saved.append(state.global_step)
 
     torch.manual_seed(0)
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=4,
@@ -78,5 +84,15 @@ def test_a_stop_checkpoint_is_whole_under_save_only_model(tmp_path, local_world)
                       classification_data(16), callbacks=[Interrupt()])
     trainer.train()
     stopped = trainer.state.global_step
+    assert Interrupt.saved == [1, 2, 3] and stopped == 3
+    assert not {"optimizer.pt", "scheduler.pt"} & set(os.listdir(tmp_path / "checkpoint-2"))
     assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(tmp_path / f"checkpoint-{stopped}"))
     assert run(tmp_path, max_steps=4, resume_from_checkpoint=True).state.global_step == 4
+
+
+def test_save_only_model_checkpoints_hold_no_rng_state(tmp_path, local_world):
+    """Transformers' save_only_model saves the model and trainer_state.json, no optimizer, scheduler, scaler or RNG
+    state; ddpkit adds its marker and the data position (sampler_state.json)."""
+    run(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == [
+        "checkpoint_complete.json", "model.safetensors", "sampler_state.json", "trainer_state.json"]

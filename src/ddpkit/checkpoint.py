@@ -128,14 +128,16 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
                     save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None,
-                    run: str | None = None) -> str:
+                    run: str | None = None, rng: bool = True) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
     keep: checkpoints that rotation must not delete (the one this run resumed from: a restart names it again).
     run: the training run's id, written into the marker; rotation then retires only that run's checkpoints.
+    rng: whether to write every rank's RNG state (False: a checkpoint of the weights, save_only_model's, that
+    nothing resumes from; every rank must pass the same, as the gather is skipped).
     """
-    rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng")
+    rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng") if rng else []
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}-{step}-{uuid.uuid4().hex[:8]}")
     sharded, failures, shard_sums = is_sharded(optimizer), [], {}

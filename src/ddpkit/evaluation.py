@@ -2,16 +2,21 @@
 compute_metrics gathered back into dataset order.
 
     indices = shard(len(dataset), world.rank, world.world_size, batch_size)
-    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, inputs, samples)
+    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, labels, samples)
     metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)
+
+Which keys of a batch are its labels is Transformers' rule: `label_names`, by default the model's forward
+parameters whose name holds "label" (label_names_of); a batch has labels when it holds every one of them
+(labels_named), and compute_metrics gets them as label_ids: one array, or a tuple of arrays for several names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,31 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
+
+
+def label_names_of(model: torch.nn.Module, label_names: Sequence[str] | None = None) -> list[str]:
+    """The batch keys that hold the labels: `label_names` (TrainingArguments'), else the parameters of the model's
+    forward whose name holds "label" (and a question-answering model's start_positions, end_positions)."""
+    if label_names is not None:
+        return list(label_names)
+    model = model_io.unwrapped(model)
+    answers = ("start_positions", "end_positions") if "QuestionAnswering" in type(model).__name__ else ()
+    return [p for p in inspect.signature(model.forward).parameters if "label" in p or p in answers]
+
+
+def can_return_loss(model: torch.nn.Module) -> bool:
+    """Whether the model's forward returns a loss without labels by default (return_loss=True, as CLIP's does)."""
+    found = inspect.signature(model_io.unwrapped(model).forward).parameters.get("return_loss")
+    return found is not None and found.default is True
+
+
+def labels_named(inputs: Any, names: Sequence[str]) -> Any:
+    """The batch's labels: its tensor under the one name, a tuple of them for several; None unless `names` is not
+    empty and the batch is a mapping that holds every one of them (Transformers' has_labels)."""
+    if not names or not isinstance(inputs, Mapping) or any(inputs.get(name) is None for name in names):
+        return None
+    found = tuple(inputs[name] for name in names)
+    return found[0] if len(found) == 1 else found
 
 
 def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: int, global_batch: int) -> None:
@@ -62,19 +92,19 @@ class Part:
     bad_sum: float = 0.0  # the same for the batches whose loss is nan or inf
     bad_samples: float = 0.0
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
-    labels: list[np.ndarray] = dataclasses.field(default_factory=list)
+    labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
 
 
-ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, inputs, samples) of one batch
+ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, labels_named's labels, samples)
 Forward = Callable[[Any], ForwardResult]
 
 
 def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> Part:
     """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
-    left out), keep logits and labels if wanted."""
+    left out), keep logits and labels (None: none) if wanted."""
     part = Part()
     for batch in batches:
-        loss, outputs, inputs, samples = forward(batch)
+        loss, outputs, labels, samples = forward(batch)
         if loss is not None:
             value = loss.double().item()
             if math.isfinite(value):
@@ -85,9 +115,8 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> P
             logits = model_io.logits_of(outputs, with_loss=loss is not None).detach()
             # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
             part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
-            labels = model_io.labels_of(inputs)
             if labels is not None:
-                part.labels.append(labels.cpu().numpy())
+                part.labels.append(_numpy(labels))
     return part
 
 
@@ -128,26 +157,60 @@ def _prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}_{k}": float(v) for k, v in found.items()}
 
 
+def _numpy(labels: torch.Tensor | tuple[torch.Tensor, ...]) -> np.ndarray | tuple[np.ndarray, ...]:
+    if isinstance(labels, tuple):
+        return tuple(_numpy(one) for one in labels)
+    return (labels.float() if labels.dtype == torch.bfloat16 else labels).detach().cpu().numpy()
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    """Concatenated along the samples. Batches padded to their own longest sequence (token classification, a
+    language model's logits) differ in their second dimension: as Transformers concatenates them, the shorter ones
+    are padded there with -100 to the longest."""
+    if arrays[0].ndim < 2 or len({a.shape[1] for a in arrays}) == 1:
+        return np.concatenate(arrays)
+    longest = max(a.shape[1] for a in arrays)
+    joined = np.full((sum(len(a) for a in arrays), longest, *arrays[0].shape[2:]), model_io.IGNORE_INDEX,
+                     dtype=np.result_type(*arrays))
+    start = 0
+    for a in arrays:
+        joined[start:start + len(a), :a.shape[1]] = a
+        start += len(a)
+    return joined
+
+
+def _joined(pieces: list[Any], order: np.ndarray | None = None) -> Any:
+    """Arrays (or tuples of arrays: several label names) concatenated along the samples, then put in `order`."""
+    if isinstance(pieces[0], tuple):
+        return tuple(_joined([piece[i] for piece in pieces], order) for i in range(len(pieces[0])))
+    joined = _concat(pieces)
+    return joined if order is None else joined[order]
+
+
+def _samples(labels: Any) -> int:
+    return len(labels[0] if isinstance(labels, tuple) else labels)
+
+
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
     """Every rank's predictions (and labels), in dataset order, on every rank."""
-    local = (indices, np.concatenate(part.predictions) if part.predictions else None,
-             np.concatenate(part.labels) if part.labels else None)
+    local = (indices, _concat(part.predictions) if part.predictions else None,
+             _joined(part.labels) if part.labels else None)
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_labels(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
-    preds = np.concatenate([s[1] for s in shards if s[1] is not None])[order]
+    preds = _joined([s[1] for s in shards if s[1] is not None], order)
     # Whether there are labels is every rank's question alike: a rank without samples has none of its own.
     labels = [s[2] for s in shards if s[2] is not None]
-    label_ids = np.concatenate(labels)[order] if labels else None
-    return EvalPrediction(preds, label_ids)
+    return EvalPrediction(preds, _joined(labels, order) if labels else None)
 
 
 def _check_labels(shards: list[tuple]) -> None:
     """Labels for every prediction or for none (each rank sees every shard, so all raise alike, no hang)."""
-    counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else len(s[2])) for s in shards]
+    counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
     if any(labels for _, labels in counts) and any(labels != predictions for predictions, labels in counts):
         raise ValueError("some batches of the dataset have labels and some do not: give every sample its labels "
                          "(for a loss and compute_metrics) or none (predictions only)")
 
 
-__all__ = ["Part", "accumulate", "gather_predictions", "over_ranks", "predictions_over_ranks", "shard"]
+__all__ = ["Part", "accumulate", "can_return_loss", "gather_predictions", "label_names_of", "labels_named",
+           "over_ranks", "predictions_over_ranks", "shard"]

@@ -31,6 +31,15 @@ from .integrity import problems, write_failure
 from .lock import OutputDirLock
 
 
+def check_whole(path: str) -> None:
+    """Raise unless checkpoint `path` holds the optimizer state a resume goes on with. Transformers resumes from a
+    save_only_model checkpoint with a new optimizer and its schedule back at step 0: another run than the one saved."""
+    if not os.path.isfile(os.path.join(path, checkpoint.OPTIMIZER_FILE)) and not checkpoint.shard_files(path):
+        raise checkpoint.CheckpointError(
+            f"{path} holds no optimizer state (saved with save_only_model?), so training cannot go on from it "
+            "as the run would have; load its weights into the model and train afresh, without resume")
+
+
 def claim_output_dir(output_dir: str, comm: Comm, is_main: bool) -> OutputDirLock:
     """Take output_dir's lock (ddpkit.lock) on rank 0 and sweep the debris of killed saves, which only the
     lock's holder may do; every rank raises alike when another live run holds it. Release it when done."""

@@ -2,6 +2,7 @@
 
     state = rng_state()        # in types torch.load(weights_only=True) accepts
     set_rng_state(state)       # right before training goes on
+    set_seed(42)               # python, numpy and torch seeded alike (the Trainer's args.seed)
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (every device) in this process."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,4 +56,4 @@ def set_rng_state(state: dict[str, Any] | None) -> None:
             torch.cuda.set_rng_state(saved.cpu())
 
 
-__all__ = ["rng_state", "set_rng_state"]
+__all__ = ["rng_state", "set_rng_state", "set_seed"]

@@ -4,6 +4,7 @@
     saves.exists(step)                                   # rank 0's view, on every rank
     folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
     saves.load_best(model, state)                        # load_best_model_at_end
+    save_model(model, output_dir, args.to_dict())        # Trainer.save_model's files, on rank 0
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
 resume.protected_checkpoints), the best one (best.py), nor another run's (`run`, see ddpkit.runs). The files
@@ -51,7 +52,7 @@ class Saves:
         return aside if self.run is not None and not self._ours(path) and os.path.isdir(aside) else path
 
     def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
-             scaler: Any = None) -> str:
+             scaler: Any = None, rng: bool = True) -> str:
         """checkpoint-<state.global_step>, with the state's best_model_checkpoint already naming it if it is the
         best; call it on every rank."""
         step = state.global_step
@@ -61,7 +62,7 @@ class Saves:
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
             trainer_state=state.to_dict(), sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
-            run=self.run)
+            run=self.run, rng=rng)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""
@@ -74,4 +75,16 @@ class Saves:
         return loaded
 
 
-__all__ = ["Saves"]
+def save_model(model: Any, output_dir: str, training_args: dict) -> None:
+    """The model and training_args.json into output_dir (rank 0's part of Trainer.save_model). A Transformers model
+    is saved by its save_pretrained, as Transformers' Trainer saves it: config.json beside the weights, so that
+    from_pretrained(output_dir) loads it; any other model as model.safetensors."""
+    os.makedirs(output_dir, exist_ok=True)
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained(output_dir)
+    else:
+        checkpoint.save_weights(model, os.path.join(output_dir, checkpoint.MODEL_FILE))
+    checkpoint.write_json(os.path.join(output_dir, "training_args.json"), training_args)
+
+
+__all__ = ["Saves", "save_model"]

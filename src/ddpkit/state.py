@@ -10,10 +10,11 @@ import numpy as np
 
 
 class EvalPrediction(NamedTuple):
-    """What compute_metrics receives: every evaluation sample once, in dataset order."""
+    """What compute_metrics receives: every evaluation sample once, in dataset order; label_ids are the batches'
+    label_names (a tuple of arrays for several names), None where they have none."""
 
     predictions: np.ndarray
-    label_ids: np.ndarray | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
 
 
 class PredictionOutput(NamedTuple):
@@ -21,7 +22,7 @@ class PredictionOutput(NamedTuple):
     batches had labels; the metrics (the loss where they had labels, compute_metrics', the speed)."""
 
     predictions: np.ndarray
-    label_ids: np.ndarray | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
     metrics: dict[str, float]
 
 

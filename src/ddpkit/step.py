@@ -10,12 +10,14 @@ after the optimizer step (before the schedule and zero_grad).
 A window holds this rank's micro-batches and how many every rank runs (`window.micro_steps`, the most any rank
 holds): a rank short of data runs `filler` with weight zero, so every rank launches the same all-reduces.
 `micro_step(model, batch, weight)` runs one forward and backward and returns this rank's share of the step's loss.
+
+    flos = floating_point_ops(model, batch)             # what one forward and backward on `batch` costs (total_flos)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -67,4 +69,19 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: Any, params: lis
     return grad_norm
 
 
-__all__ = ["accumulate", "optimizer_step", "wait_for_params"]
+def counts_flos(model: nn.Module) -> bool:
+    """Whether floating_point_ops can count the model's operations: a Transformers model (num_parameters)."""
+    return callable(getattr(model, "num_parameters", None))
+
+
+def floating_point_ops(model: nn.Module, inputs: Any) -> int:
+    """Transformers' Trainer's estimate of one forward and backward: 6 operations per token of the model's main
+    input (a forward's multiply and add per weight, twice that in backward) per parameter outside the
+    embeddings, whose lookups cost no multiplications; 0 where it cannot tell (no num_parameters, no such input)."""
+    tokens = inputs.get(getattr(model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) else None
+    if not counts_flos(model) or not isinstance(tokens, torch.Tensor):
+        return 0
+    return 6 * tokens.numel() * model.num_parameters(exclude_embeddings=True)
+
+
+__all__ = ["accumulate", "counts_flos", "floating_point_ops", "optimizer_step", "wait_for_params"]

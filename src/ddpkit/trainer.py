@@ -28,28 +28,27 @@ remove_unused_columns (collator.py), the shapes of batches and outputs (model_io
 from __future__ import annotations
 
 import os
-import random
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint, model_io, optim, resume, runs, step
+from . import checkpoint, evaluation, model_io, optim, resume, runs, saves, step
 from .best import BestModel
 from .collator import default_data_collator, without_unused_columns
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments
-from .comm import Comm, barrier, init_process_group, max_over_ranks
+from .comm import Comm, barrier, init_process_group, max_over_ranks, sum_over_ranks
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, epochs_to_train, plan_for
 from .loop import TrainingLoop, saved_rest
 from .report import Progress, Reporter, write_loss_curve
+from .rng import set_seed
 from .running_loss import RunningLoss
 from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
@@ -59,13 +58,6 @@ from .window import StopRequest, Window
 from .wrap import prepare_model
 
 get_scheduler = optim.get_scheduler
-
-
-def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch (every device) in this process."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Trainer(EvaluationMixin):
@@ -95,6 +87,12 @@ class Trainer(EvaluationMixin):
         self.precision = Precision.for_args(args, self.world.device, self.comm)
         self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
         self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
+        # What prediction_step takes for labels, and whether a batch without them has a loss (Transformers' rules)
+        self.label_names = evaluation.label_names_of(self.model, args.label_names)
+        self.can_return_loss = evaluation.can_return_loss(self.model)
+        self.current_flos = 0.0  # this rank's floating-point operations since store_flos summed them (total_flos)
+        own_count = type(self).floating_point_ops is not Trainer.floating_point_ops  # a subclass's: counted
+        self._counts_flos = own_count or step.counts_flos(self.model)  # the same on every rank: store_flos's all-reduce
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         if args.eval_strategy != "no" and eval_dataset is None:  # as Transformers: it would never evaluate
             raise ArgumentError("eval_strategy", f"is {args.eval_strategy!r} but the Trainer got no eval_dataset; "
@@ -178,7 +176,7 @@ class Trainer(EvaluationMixin):
         learning-rate schedule where the Trainer made the last one (a schedule passed in `optimizers` is the
         caller's); the model's weights and the optimizer, with its state, go on. A resume then replaces them with
         the checkpoint's."""
-        self.state, self._loss = self._new_state(), RunningLoss()
+        self.state, self._loss, self.current_flos = self._new_state(), RunningLoss(), 0.0
         self._stop.reset()
         if self._made_scheduler:
             self.lr_scheduler, self._made_scheduler = None, False
@@ -249,33 +247,32 @@ class Trainer(EvaluationMixin):
             run.bar.close()
             if self.state.should_stop:
                 # SIGTERM or Ctrl-C: one checkpoint at the exact next sample, then a clean return (exit 0).
-                # Still inside the handler: a second SIGTERM must not kill the save half-way.
-                if not self.saves.exists(self.state.global_step) or self.args.save_only_model:
-                    self._save_checkpoint(sampler, whole=True)  # whole: its only use is to resume
+                # Still inside the handler: a second SIGTERM must not kill the save half-way. A save this step
+                # made already was the stop's, whole (_save_checkpoint): one save, one on_save per step.
+                if not self.saves.exists(self.state.global_step):
+                    self._save_checkpoint(sampler)
                 self._finish_reports()
-                train_loss = self._loss.train_loss(self.comm, self.world)
-                return TrainOutput(self.state.global_step, train_loss, {**run.summary(train_loss), "stopped": 1.0})
+                train_loss = self._loss.train_loss(self.comm, self.world)  # total_flos: stored by the save
+                metrics = {**run.summary(train_loss), "total_flos": self.state.total_flos, "stopped": 1.0}
+                return TrainOutput(self.state.global_step, train_loss, metrics)
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
         resume.end_run(self.args.output_dir, self.world, choice, self.state.global_step)
         step.wait_for_params(self.optimizer)  # stage 2's last all-gathers must not land on the loaded weights
         self.saves.load_best(self.model, self.state)
-        metrics = run.summary(self._loss.train_loss(self.comm, self.world))
+        self.store_flos()
+        metrics = {**run.summary(self._loss.train_loss(self.comm, self.world)), "total_flos": self.state.total_flos}
         self.log(metrics)
         self._finish_reports()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _resume(self, path: str) -> dict | None:
         """Load the checkpoint's weights, optimizer, scheduler, progress and RNG; its sampler position."""
-        if not os.path.isfile(os.path.join(path, checkpoint.OPTIMIZER_FILE)) and not checkpoint.shard_files(path):
-            # Transformers resumes from one with a new optimizer and its schedule back at step 0: another run.
-            raise checkpoint.CheckpointError(
-                f"{path} holds no optimizer state (saved with save_only_model?), so training cannot go on from it "
-                "as the run would have; load its weights into the model and train afresh, without resume")
+        resume.check_whole(path)
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
                                                       scheduler=self.lr_scheduler, world=self.world,
                                                       scaler=self.precision.scaler, comm=self.comm)
         self.state.global_step = trainer_state["global_step"]
-        for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
+        for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint", "total_flos"):
             setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
         if self.state.best_model_checkpoint:  # renamed aside by a later run's save of its step, perhaps
             self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
@@ -292,6 +289,8 @@ class Trainer(EvaluationMixin):
                                 self.world.device, self._fire)
         grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
                                         self.args.max_grad_norm, self.precision, self._fire)
+        if self._counts_flos:  # this rank's own batches: a filler batch (weight zero) trains nothing
+            self.current_flos += sum(float(self.floating_point_ops(batch)) for batch in window.batches)
         return share, grad_norm
 
     def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
@@ -327,6 +326,18 @@ class Trainer(EvaluationMixin):
         Transformers counts them; see model_io.count_items), or else samples."""
         return model_io.count_items(batch, shifted=self._loss_shifts_labels)
 
+    def floating_point_ops(self, inputs: Any) -> int:
+        """The floating-point operations of one forward and backward on `inputs`, Transformers' estimate (see
+        step.floating_point_ops); override it for another (a subclass that does is always counted)."""
+        return step.floating_point_ops(self.model, inputs)
+
+    def store_flos(self) -> None:
+        """Add every rank's operations since the last call to state.total_flos; on every rank alike (one
+        all-reduce, none where nothing is counted), before a checkpoint's trainer_state.json and the final log."""
+        if self._counts_flos:
+            self.state.total_flos += sum_over_ranks(self.comm, [self.current_flos], "total_flos", self.world.device)[0]
+        self.current_flos = 0.0
+
     def _filler(self) -> Any:
         """A batch for a rank that never had one: the first sample of the dataset (weighted zero anyway)."""
         if self._last_batch is None:
@@ -340,24 +351,24 @@ class Trainer(EvaluationMixin):
         return self.lr_scheduler.get_last_lr()[0]
 
     # -- evaluation, saving ----------------------------------------------------------------------------------------
-    def _save_checkpoint(self, sampler, whole: bool = False) -> str:
+    def _save_checkpoint(self, sampler) -> str:
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self._loss.save_into(self.state)
+        self.store_flos()
         self.state.stateful_callbacks = self.callback_handler.export_states()
-        whole = whole or not self.args.save_only_model  # save_only_model: weights and progress, no optimizer
+        # save_only_model: weights and progress, no optimizer; but a stop's checkpoint is only there to resume from
+        whole = self.state.should_stop or not self.args.save_only_model
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer if whole else None,
                                  scheduler=self.lr_scheduler if whole else None, sampler_state=sampler.state_dict(),
-                                 scaler=self.precision.scaler if whole else None)
+                                 scaler=self.precision.scaler if whole else None, rng=whole)
         self._fire("on_save")
         return folder
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """model.safetensors and training_args.json into output_dir, from rank 0; call it on every rank."""
-        output_dir = output_dir or self.args.output_dir
+        """The model (a Transformers model's save_pretrained files, else model.safetensors) and training_args.json
+        into output_dir, from rank 0 (saves.save_model); call it on every rank."""
         if self.world.is_main:
-            os.makedirs(output_dir, exist_ok=True)
-            checkpoint.save_weights(self.model, os.path.join(output_dir, checkpoint.MODEL_FILE))
-            checkpoint.write_json(os.path.join(output_dir, "training_args.json"), self.args.to_dict())
+            saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict())
         barrier(self.world, "save_model")
 
     # -- logging -----------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The Trainer's evaluate and predict: every sample once over the ranks, the model in eval mode (the arithmetic
 over the ranks is ddpkit.evaluation's), and the evaluations and saves a training run schedules. A mixin of
 ddpkit.trainer.Trainer, whose state it reads: args, world, comm, model, precision, compute_loss, compute_metrics,
-the eval dataset and loader, its callbacks, saves and its log.
+label_names, the eval dataset and loader, its callbacks, saves and its log.
 
     trainer.evaluate()                                   # eval_loss, ...; a dict eval_dataset: eval_<name>_loss, ...
     trainer.evaluate({"a": ds_a, "b": ds_b})             # each set alone, as Transformers' Trainer
@@ -78,14 +78,15 @@ class EvaluationMixin:
                              self.args.per_device_eval_batch_size * self.world.world_size)
 
     def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> evaluation.ForwardResult:
-        """One batch's (loss, outputs, inputs, samples). As Transformers 5's prediction_step, a model that takes
-        num_items_in_batch gets this batch's own count (labels other than -100, shifted where its loss shifts
-        them), so its loss is its summed loss over that count: for a GPT2LMHeadModel (loss_type None, which counts
-        unshifted labels but sums over shifted ones) not the token mean, as in Transformers' eval_loss and in
-        training's logged loss."""
+        """One batch's (loss, outputs, labels, samples). As Transformers 5's prediction_step, the labels are the
+        batch's label_names (all of them, or none), and a model that takes num_items_in_batch gets this batch's own
+        count of "labels" other than -100 (shifted where its loss shifts them), so its loss is its summed loss over
+        that count: for a GPT2LMHeadModel (loss_type None, which counts unshifted labels but sums over shifted ones)
+        not the token mean, as in Transformers' eval_loss and in training's logged loss."""
         inputs = self._prepare_inputs(batch)
+        labels = evaluation.labels_named(inputs, self.label_names)
         with torch.no_grad(), self.precision.autocast():
-            if loss_needed or model_io.labels_of(inputs) is not None:
+            if loss_needed or labels is not None or self._loss_without_labels(inputs):
                 count = None
                 if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
                     # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
@@ -93,11 +94,17 @@ class EvaluationMixin:
                 # (only when there is one: a compute_loss override without the argument, as training calls it)
                 counted = {} if count is None else {"num_items_in_batch": count}
                 loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
-            else:  # predict on a batch without a "labels" key: a loss only if the model gave one (positional labels)
+            else:  # predict on a batch without its labels: a loss only if the model gave one (positional labels)
                 outputs = model_io.call_model(self.model, inputs)
                 loss = model_io.carried_loss(outputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-        return loss, outputs, inputs, model_io.batch_len(inputs)
+        return loss, outputs, labels, model_io.batch_len(inputs)
+
+    def _loss_without_labels(self, inputs: Any) -> bool:
+        """Transformers' rule for a loss with no label_names at all: the batch's return_loss, else the model's
+        default (CLIP returns its contrastive loss so)."""
+        asked = inputs.get("return_loss") if isinstance(inputs, Mapping) else None
+        return not self.label_names and bool(self.can_return_loss if asked is None else asked)
 
     # -- what a training run schedules ----------------------------------------------------------------------------
     def _eval_loss_key(self) -> str:

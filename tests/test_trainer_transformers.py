@@ -1,0 +1,100 @@
+"""What a script that swaps Transformers' Trainer for ddpkit's sees alike: total_flos as Transformers 5 counts it (for
+a Transformers model, 6 x the tokens of its main input x its parameters outside the embeddings, per micro-batch,
+summed over the ranks, in each checkpoint's trainer_state.json, in the final log, and carried on by a resume;
+ddpkit's stayed 0), and save_model's folder, which from_pretrained loads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import Classifier, classification_data, run_world, trainer_args
+
+from ddpkit.trainer import Trainer
+
+
+def gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def sequences(n=16):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (n, 8), generator=g)]
+
+
+def flos_world(world, out):
+    """2 steps of 2 samples a rank, a checkpoint after each; then a resume from the first."""
+    args = dict(max_steps=2, per_device_train_batch_size=2, save_strategy="steps", save_steps=1)
+    trainer = Trainer(gpt2(), trainer_args(out, **args), sequences())
+    metrics = trainer.train().metrics
+    with open(f"{out}/checkpoint-1/trainer_state.json") as f:
+        saved = json.load(f)["total_flos"]
+    logged = trainer.state.log_history[-1]["total_flos"]
+    resumed = Trainer(gpt2(), trainer_args(out, **args), sequences()).train(f"{out}/checkpoint-1").metrics
+    return metrics["total_flos"], logged, saved, resumed["total_flos"]
+
+
+def test_total_flos_is_transformers_summed_over_the_ranks(tmp_path):
+    import transformers
+
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, use_cpu=True,
+                                             per_device_train_batch_size=4, report_to="none", disable_tqdm=True,
+                                             save_strategy="no")
+    theirs = transformers.Trainer(model=gpt2(), args=hf_args, train_dataset=sequences())
+    theirs.train()
+    total = theirs.state.total_flos
+    assert total > 0
+    for rank in run_world(flos_world, world_size=2, args=(str(tmp_path / "mine"),)):
+        assert rank == (total, total, total / 2, total)
+
+
+def test_a_model_without_num_parameters_counts_nothing(tmp_path, local_world):
+    """As Transformers: 0 operations where the model cannot say (and no all-reduce spent on summing them)."""
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4),
+                      classification_data(8))
+    assert trainer.train().metrics["total_flos"] == 0.0 and not trainer._counts_flos
+
+
+def test_a_stopped_run_reports_the_flos_its_checkpoint_holds(tmp_path, local_world):
+    """SIGTERM or Ctrl-C (asked here as their handler asks) after step 1: the ranks stop after step 2, and what
+    train() returns and the stop's checkpoint hold are those 2 steps' operations."""
+    from ddpkit.callbacks import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer._stop.requested = True
+
+    data = sequences()
+    trainer = Trainer(gpt2(), trainer_args(tmp_path, max_steps=4, per_device_train_batch_size=4), data,
+                      callbacks=[Interrupt()])
+    metrics = trainer.train().metrics
+    with open(tmp_path / "checkpoint-2" / "trainer_state.json") as f:
+        saved = json.load(f)["total_flos"]
+    assert metrics["stopped"] == 1.0 and metrics["total_flos"] == saved == 8 * trainer.floating_point_ops(data[0])
+
+
+def test_save_model_writes_what_from_pretrained_loads(tmp_path, local_world):
+    """A Transformers model is saved by its save_pretrained, config.json included, as Transformers' Trainer saves
+    it (ddpkit wrote model.safetensors alone, which from_pretrained refused: no config.json); another model as
+    model.safetensors. training_args.json either way."""
+    import transformers
+
+    model = gpt2()
+    Trainer(model, trainer_args(tmp_path / "gpt2")).save_model()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    for (name, mine), (_, loaded) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(mine, loaded), name
+    assert {"config.json", "training_args.json"} <= set(os.listdir(tmp_path / "gpt2"))
+    plain = Classifier()
+    Trainer(plain, trainer_args(tmp_path / "plain")).save_model(str(tmp_path / "elsewhere"))
+    assert sorted(os.listdir(tmp_path / "elsewhere")) == ["model.safetensors", "training_args.json"]
+    assert all(torch.equal(load_file(tmp_path / "elsewhere" / "model.safetensors")[k], v)
+               for k, v in plain.state_dict().items())
