@@ -38,6 +38,10 @@ def flos_world(world, out):
     with open(f"{out}/checkpoint-1/trainer_state.json") as f:
         saved = json.load(f)["total_flos"]
     logged = trainer.state.log_history[-1]["total_flos"]
+    import transformers  # a checkpoint of a Transformers model loads as one (config.json beside the weights)
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/checkpoint-2")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
     resumed = Trainer(gpt2(), trainer_args(out, **args), sequences()).train(f"{out}/checkpoint-1").metrics
     return metrics["total_flos"], logged, saved, resumed["total_flos"]
 

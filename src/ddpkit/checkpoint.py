@@ -8,6 +8,7 @@
 A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
 
     model.safetensors        weights of the unwrapped model (safetensors: tensors only, no code)
+    config.json              a Transformers model's configuration: from_pretrained(the folder) loads the model
     optimizer.pt             optimizer.state_dict(), read back with torch.load(weights_only=True)
     scheduler.pt             scheduler.state_dict(), likewise
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
@@ -54,6 +55,7 @@ from .weights import load_weights_file, save_weights_file
 from .zero_checkpoint import foreign_state, is_sharded, read_into, shard_files, shard_index, stage_shards
 
 MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"  # a Transformers model's configuration (PretrainedConfig.save_pretrained writes it)
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
@@ -85,6 +87,10 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     save_weights_file(model, os.path.join(folder, MODEL_FILE))
     # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
     sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):  # a Transformers model: from_pretrained(the folder) loads
+        config.save_pretrained(folder)  # it, as it loads a Transformers checkpoint
+        sums[CONFIG_FILE] = file_crc32(os.path.join(folder, CONFIG_FILE))
     # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
     for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
         if source is not None:
