@@ -223,3 +223,38 @@ def test_a_slurm_world_of_one_binds_no_port(monkeypatch):
             assert (world.rank, world.world_size, world.launcher) == (0, 1, "slurm")
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("port", ["abc", "70000"])
+def test_a_stray_master_port_stops_no_world_of_one_and_is_named_where_it_is_used(monkeypatch, port):
+    """MASTER_PORT=abc stopped even a world of one, which uses no port ("is not an integer"); where a rendezvous
+    uses it, torch said "invalid literal for int()" or "port must have value from 0 to 65535" without naming it."""
+    import torch.distributed as dist
+
+    for environ in ({"MASTER_PORT": port}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "MASTER_PORT": port},
+                    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "MASTER_PORT": port}):
+        monkeypatch.setattr("os.environ", {**environ})
+        world = ddpkit.env.init_process_group(backend="gloo", environ=environ)
+        try:
+            assert (world.rank, world.world_size) == (0, 1)
+        finally:
+            dist.destroy_process_group()
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}
+    for environ in ({**_launch_env(0), "MASTER_PORT": port}, {**_launch_env(0, world_size=1), "MASTER_PORT": port},
+                    slurm):
+        monkeypatch.setattr("os.environ", {**environ})  # env:// reads the same variables
+        with pytest.raises(ValueError, match=rf"MASTER_PORT='{port}' is not a port number .* MASTER_PORT=29500"):
+            ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=5)
+
+
+def test_the_launchers_pid_is_read_in_its_own_pid_namespace_only():
+    from ddpkit.orphan import pid_namespace
+
+    told = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "DDPKIT_LAUNCHER_PID": "4242"}
+    assert read_launch_env(told).launcher_pid == 4242
+    assert read_launch_env({**told, "DDPKIT_LAUNCHER_PID_NS": pid_namespace() or ""}).launcher_pid == 4242
+    # a worker in a PID namespace of its own: that number names another process there
+    assert read_launch_env({**told, "DDPKIT_LAUNCHER_PID_NS": "pid:[1]"}).launcher_pid is None
+    assert read_launch_env({**told, "DDPKIT_LAUNCHER_PID": "x"}).launcher_pid is None
+    del told["DDPKIT_LAUNCHER_PID"]  # torchrun, accelerate launch: the watch takes the parent for the launcher
+    assert read_launch_env(told).launcher_pid is None

@@ -276,6 +276,40 @@ def test_signals_reach_workers_and_the_grace_period_bounds_the_wait(sig):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def _listening(port: int) -> bool:
+    """Whether a TCP socket listens on `port` (read from /proc: connecting would disturb the store there)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fp:
+            rows = [row.split() for row in fp.read().splitlines()[1:]]
+        if any(f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port for f in rows):  # 0A: LISTEN
+            return True
+    return False
+
+
+@pytest.mark.parametrize("rdzv, sig", [("static", signal.SIGTERM), ("c10d", signal.SIGTERM),
+                                       ("c10d", signal.SIGINT)])
+def test_a_signal_during_the_rendezvous_leaves_no_temporary_folder(tmp_path, rdzv, sig):
+    """Node 0 of two waits for a node that never comes. SIGTERM there ended the launcher at once (its default
+    action: no handler runs while torch's TCPStore waits in C++), leaving its ddpkit-launch-* folder in TMPDIR."""
+    port = free_port()
+    how = (["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)] if rdzv == "static" else
+           ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lone"])
+    proc = start([*LAUNCH, "--nnodes", "2", *how, "--nproc-per-node", "1", "-m", "json.tool", os.devnull],
+                 clean_env(TMPDIR=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not _listening(port):  # node 0's store is up: the launcher waits in the rendezvous
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        reap(proc)
+    assert proc.returncode in (-sig, 128 + sig), err
+    assert os.listdir(tmp_path) == [], err
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Two nodes in two network namespaces
 # ---------------------------------------------------------------------------------------------------------

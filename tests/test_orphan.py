@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import clean_env
+from conftest import clean_env, reap
 
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint
 
@@ -123,3 +124,81 @@ def test_a_launcher_that_is_pid_1_is_not_taken_for_gone(monkeypatch):
     monkeypatch.setattr(orphan.time, "sleep", lambda seconds: None)
     orphan._watch(1, grace_s=0.0, poll_s=0.0)
     assert calls == []
+
+
+SUBREAPER = str(Path(__file__).parent / "scripts" / "subreaper.py")
+SLOW_START = str(Path(__file__).parent / "scripts" / "slow_start.py")
+
+
+def test_workers_stop_when_the_launcher_dies_before_their_watch_begins(tmp_path):
+    """The launcher SIGKILLed while its workers start, under a subreaper: rank 0 is in init_process_group (its
+    watch began with the launcher as its parent), rank 1 not there yet. Rank 1 was re-parented to the subreaper
+    (elsewhere to pid 1), and the watch that began afterwards took that for its launcher (pid 1: watched
+    nothing), so rank 1 went on into the rendezvous with the launcher's store gone and hung there."""
+    go, logs = tmp_path / "go", tmp_path / "logs"
+    reaper = subprocess.Popen([sys.executable, SUBREAPER, sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node",
+                               "2", "--log-dir", str(logs), SLOW_START, "--go", str(go)],
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(reaper.stdout), daemon=True).start()
+    workers: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while "JOINING 0" not in "".join(lines) or len(workers) < 2:
+            assert reaper.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+            workers = {int(r): int(p) for r, p in re.findall(r"STARTED (\d) (\d+)", "".join(lines))}
+        time.sleep(1.0)  # rank 0 is inside init_process_group, its watch begun; rank 1 waits for the go
+        launcher = int(re.search(r"CHILD (\d+)", "".join(lines)).group(1))
+        os.kill(launcher, signal.SIGKILL)
+        while f"REAPED {launcher} " not in "".join(lines):  # the subreaper took the orphans
+            assert time.monotonic() < deadline + 10, "".join(lines)
+            time.sleep(0.05)
+        go.touch()  # rank 1 goes on to init_process_group, whose watch begins now
+        took = _wait_gone(list(workers.values()), deadline_s=30)
+        print(f"workers stopped {took:.1f} s after the launcher's SIGKILL")
+    finally:
+        for pid in workers.values():  # in sessions of their own: the reaper's group does not hold them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reap(reaper)
+    said = {rank: (logs / f"rank{rank}.log").read_text() for rank in (0, 1)}
+    # (rank 0, in the rendezvous, may learn it first from the launcher's store, which went with it)
+    assert f"[ddpkit] the launcher (pid {launcher}) is gone: stopping this worker (pid {workers[1]}); its parent " \
+           f"is now pid {reaper.pid}" in said[1], said[1]
+    assert "TRAINING" not in said[0] + said[1]
+
+
+def test_a_worker_re_parented_to_pid_1_knows_its_launcher_is_gone(monkeypatch):
+    """Without a subreaper the orphan's parent is pid 1, which the watch could not tell from a launcher that is
+    its container's init; ddpkit launch's pid tells them apart."""
+    from ddpkit import orphan
+
+    calls = []
+    monkeypatch.setattr(orphan.os, "getppid", lambda: 1)
+    monkeypatch.setattr(orphan.os, "kill", lambda pid, sig: calls.append(sig))
+    monkeypatch.setattr(orphan.os, "_exit", lambda code: calls.append(("exit", code)))
+    monkeypatch.setattr(orphan.time, "sleep", lambda seconds: None)
+    orphan._watch(1, grace_s=0.0, poll_s=0.0, launcher=4242)
+    assert calls == [signal.SIGTERM, ("exit", 1)]
+    calls.clear()
+    orphan._watch(1, grace_s=0.0, poll_s=0.0, launcher=1)  # the launcher is init: nothing to watch
+    assert calls == []
+
+
+def test_a_launcher_above_a_wrapper_is_watched_through_it():
+    """`ddpkit launch --no-python sh -c "python train.py"`: the worker's parent is the shell, and the launcher its
+    grandparent, which runs as long as it is an ancestor."""
+    from ddpkit import orphan
+
+    parent = os.getppid()
+    grandparent = orphan._parent_of(parent)
+    assert orphan.descends_from(parent) and orphan.descends_from(grandparent)
+    assert orphan.launcher_runs(parent, grandparent)() and orphan.launcher_runs(parent, parent)()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    assert not orphan.descends_from(ended.pid) and not orphan.launcher_runs(parent, ended.pid)()
+    assert orphan.launcher_runs(1, None) is None and orphan.launcher_runs(1, 1) is None

@@ -76,3 +76,53 @@ def test_the_output_tail_counts_a_redrawn_progress_bar_as_one_line(tmp_path):
     out.write_text("important: about to allocate\n" + bar + "\n" + "Traceback: boom\n", newline="")
     tail = summary._tail(str(out), lines=3)
     assert tail == "important: about to allocate\ntraining 100%\nTraceback: boom\n", tail
+
+
+def _failure(tmp_path, rank, exitcode, trace=None, when=0):
+    """A failure as torchelastic reports it (a rank that exited 0 as the launcher adds it), with a traceback
+    written `when` (ns) if any."""
+    error_file = tmp_path / f"{rank}.json"
+    if trace:
+        error_file.write_text("{}")
+        os.utime(error_file, ns=(when, when))
+    data = {"message": {"message": "E", "extraInfo": {"py_callstack": trace, "timestamp": "5"}}} if trace else {}
+    return types.SimpleNamespace(local_rank=rank, pid=100 + rank, exitcode=exitcode, timestamp=5,
+                                 error_file=str(error_file), error_file_data=data)
+
+
+def test_a_rank_that_exited_0_while_the_others_ran_is_the_root_cause(tmp_path):
+    """It left no failure for torchelastic, so the summary blamed the peer that lost it, in gloo's words."""
+    left = _failure(tmp_path, 1, 0)
+    lost = _failure(tmp_path, 0, 1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1", when=500)
+    out = tmp_path / "rank1.log"
+    out.write_text("LEAVING 1\n")
+    assert summary.root_cause({1: left, 0: lost}) == 1
+    text = summary.failure_summary({1: left, 0: lost}, {1: str(out)})
+    assert ("root cause: rank 1 (local rank 1, pid 101) exited with code 0 before the job finished (while the other "
+            "ranks still needed it: a sys.exit(0), os._exit(0) or return") in text, text
+    assert "LEAVING 1" in text and "what rank 0 saw, which exited with code 1:\nRuntimeError: [gloo]" in text, text
+    assert "then: rank 0 exited with code 1" in text
+    # NCCL's watchdog aborts the peer (SIGABRT, no traceback), the first failure the agent saw: a consequence too
+    assert summary.root_cause({1: left, 0: _failure(tmp_path, 0, -6)}) == 1
+    # A rank's own error, or ddpkit's account naming the rank that left, is the root cause still
+    assert summary.root_cause({1: left, 0: _failure(tmp_path, 0, 1, "ValueError: bad batch", when=600)}) == 0
+    explained = _failure(tmp_path, 0, 1, "PeerLeftError: rank 1 left the job early (Connection reset by peer)", 700)
+    assert summary.root_cause({1: left, 0: explained}) == 0
+    text = summary.failure_summary({1: left, 0: explained})
+    assert "root cause: rank 0" in text and "then: rank 1 exited with code 0 before the job finished" in text
+    # before the ranks the agent stopped after it, whatever their order
+    assert summary.root_cause({5: _failure(tmp_path, 5, -15), 1: left, 6: _failure(tmp_path, 6, -9)}) == 1
+
+
+def test_a_launch_whose_rank_os_exits_0_mid_training_names_that_rank():
+    """Rank 1 calls os._exit(0) at step 3 of a plain ddpkit DDP loop; rank 0 fails in gloo's words."""
+    from test_launch import LAUNCH, run
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "exit_zero.py")
+    result = run([*LAUNCH, "--nproc-per-node", "2", script, "--how", "os_exit", "--at-step", "3"])
+    assert result.rc == 1, result.err
+    text = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "root cause: rank 1 (local rank 1, pid " in text, text
+    assert ") exited with code 0 before the job finished (while the other ranks still needed it" in text, text
+    assert "the last lines of its output:\nLEAVING 1 " in text and "what rank 0 saw, which exited with code 1" in text
+    assert "then: rank 0 exited with code 1" in text

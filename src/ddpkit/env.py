@@ -31,12 +31,14 @@ import torch.distributed as dist
 from .backends import backend_for_device, check_backend, default_device_type
 from .errors import ERROR_FILE_VAR, callers_level, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
-from .orphan import watch_parent
+from .orphan import pid_namespace, watch_parent
 from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 # torch's own default for a process group; the Transformers default for ddp_timeout is the same 1800 s.
 DEFAULT_TIMEOUT_S = 1800.0
+# What `ddpkit launch` tells its workers about itself: its pid, and the PID namespace in which that pid holds.
+LAUNCHER_PID_VAR, LAUNCHER_PID_NS_VAR = "DDPKIT_LAUNCHER_PID", "DDPKIT_LAUNCHER_PID_NS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +51,13 @@ class LaunchInfo:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    bad_master_port: str | None = None  # MASTER_PORT when it is no port: an error only where the port is used
     launcher: str = "none"  # torchrun, slurm, mpi, or none
     agent_store: bool = False  # torchrun's agent owns MASTER_PORT: connect through env://, never bind it
     restart: int = 0  # how often torchelastic restarted the workers (TORCHELASTIC_RESTART_COUNT)
     elastic: bool = False  # started by torchelastic's agent (ddpkit launch, torchrun): the parent is the launcher
     job: str | None = None  # the launch, the same in all its restarts (TORCHELASTIC_RUN_ID); None: not told
+    launcher_pid: int | None = None  # ddpkit launch's pid, valid in this PID namespace; None: not told
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -112,7 +116,21 @@ def _int(environ: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
-def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None) -> LaunchInfo:
+def _master_port(env: Mapping[str, str]) -> tuple[int | None, str | None]:
+    """MASTER_PORT as a port, or (None, the value) when it is none (not a whole number in torch's 0-65535): a stray
+    value must not stop a world of one, which uses no port; ddpkit.meet refuses it where a rendezvous uses it."""
+    value = env.get("MASTER_PORT", "").strip()
+    return (int(value), None) if value.isdigit() and int(value) < 2**16 else (None, value or None)
+
+
+def _launcher_pid(env: Mapping[str, str]) -> int | None:
+    """ddpkit launch's pid, for the parent watch; None unless told, or when told in another PID namespace (a
+    worker in a namespace of its own), where that number names another process."""
+    pid, space = env.get(LAUNCHER_PID_VAR, ""), env.get(LAUNCHER_PID_NS_VAR) or None
+    return int(pid) if pid.isdigit() and int(pid) > 0 and space in (None, pid_namespace()) else None
+
+
+def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None, bad_port: str | None) -> LaunchInfo:
     world = _int(env, "SLURM_NTASKS")
     if addr is None:
         # The first node of this step (of the allocation, outside srun), which runs task 0, not where srun was
@@ -124,7 +142,8 @@ def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None) ->
     local_size = _int(env, "SLURM_NTASKS_PER_NODE") or _tasks_on_node(
         env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), _int(env, "SLURM_NODEID") or 0)
     return LaunchInfo(rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID") or 0, world_size=world,
-                      local_world_size=local_size or world, master_addr=addr, master_port=port, launcher="slurm")
+                      local_world_size=local_size or world, master_addr=addr, master_port=port, launcher="slurm",
+                      bad_master_port=bad_port)
 
 
 def _tasks_on_node(spec: str | None, node: int) -> int | None:
@@ -162,7 +181,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read rank and world from torchrun, then SLURM, then Open MPI / PMI variables; none: a world of one."""
     env = os.environ if environ is None else environ
     addr = env.get("MASTER_ADDR") or None
-    port = _int(env, "MASTER_PORT")
+    port, bad_port = _master_port(env)
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, ddpkit launch, accelerate launch, torch.multiprocessing
         _refuse_empty(env, "RANK", "WORLD_SIZE")
         world = _int(env, "WORLD_SIZE")
@@ -173,6 +192,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             local_world_size=_int(env, "LOCAL_WORLD_SIZE") or world,
             master_addr=addr,
             master_port=port,
+            bad_master_port=bad_port,
             launcher="torchrun",
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             restart=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
@@ -180,9 +200,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             # A launch's own id: ddpkit launch and torchrun --standalone draw one; "none" is torchrun's default
             # --rdzv-id, shared by every job that keeps it, so it tells nothing.
             job=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
+            launcher_pid=_launcher_pid(env),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return _slurm_launch(env, addr, port)
+        return _slurm_launch(env, addr, port, bad_port)
     mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     mpi_size = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
     if mpi_rank is not None and mpi_size is not None:
@@ -193,9 +214,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             local_world_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") or mpi_size,
             master_addr=addr,
             master_port=port,
+            bad_master_port=bad_port,
             launcher="mpi",
         )
-    if addr is not None and port is not None:
+    if addr is not None and (port is not None or bad_port is not None):
         warnings.warn(
             "MASTER_ADDR and MASTER_PORT are set but RANK and WORLD_SIZE are not: only ONE training process was "
             "started. This is what `accelerate launch --num_processes N` does on a machine without GPUs unless "
@@ -306,7 +328,7 @@ def init_process_group(
             warnings.simplefilter("ignore", RuntimeWarning)
         info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
-        watch_parent()  # a worker must not outlive a launcher killed with SIGKILL
+        watch_parent(launcher=info.launcher_pid)  # a worker must not outlive a launcher killed with SIGKILL
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if adopted:

@@ -53,7 +53,8 @@ class PeerVanishedError(PeerLeftError):
     as SIGKILL, the out-of-memory killer), or the store its host kept went with it, while this rank still needed
     it; the message names it and where it was.
     Not counted among EXPLAINING_ERRORS: a rank killed by a signal is its own root cause, and the launcher
-    names it; one that exited 0 is no failure, and this error is then the job's."""
+    names it; so is one that exited with code 0 while the others still ran (ddpkit.summary), with this error's
+    account of where it was printed after it."""
 
 
 # The names of the errors that explain a failure rather than suffer it: the launcher's root-cause logic counts

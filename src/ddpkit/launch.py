@@ -16,13 +16,18 @@ and error files are torchelastic's own; ddpkit adds, each in its own module:
   3. output: each worker's stdout and stderr merged into one file per rank, forwarded live with a rank prefix
      (ddpkit.console), a progress bar's carriage returns included, so that it redraws in place in a terminal;
   4. the summary: the root cause first, with its traceback (recorded by `ddpkit.errors` in the worker), the
-     signal that killed a worker by name, and the tail of its output when no traceback was recorded
+     signal that killed a worker by name, a rank that exited with code 0 while the others still ran (which
+     torchelastic does not count as failed), and the tail of its output when no traceback was recorded
      (ddpkit.summary);
   5. --timeline FILE [--timeline-steps A:B]: every rank's steps in one Chrome trace, handed to the workers as
      DDPKIT_TIMELINE (ddpkit.timeline).
 Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every worker, which then
 has --shutdown-timeout seconds to exit before SIGKILL. When a worker fails, torchelastic sends SIGTERM to the
-others at once (and SIGKILL after its own fixed 30 s).
+others at once (and SIGKILL after its own fixed 30 s). Before the workers start (during the rendezvous) the
+signals keep their default action (SIGINT: Python's KeyboardInterrupt), and the launcher leaves nothing behind
+then: the temporary folder of the workers' output is made when they first start. Each worker learns the
+launcher's pid (DDPKIT_LAUNCHER_PID, read by ddpkit.env), by which it stops when the launcher is killed
+(ddpkit.orphan).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 
 from .launch_plan import LaunchPlan, add_ddpkit_flags, plan_launch, torchrun_parser
 from .rendezvous import rendezvous_handler
@@ -42,16 +49,17 @@ from .summary import failure_summary
 # flags are parsed), so that the plan's unit tests stay fast.
 
 
-def _rank_logs(log_dir: str | None, tail):
-    """torchelastic LogsSpecs: per rank, one file with stdout and stderr, followed by `tail`; error files."""
+def _rank_logs(log_dir: str | None, tail, signals: str):
+    """torchelastic LogsSpecs: per rank, one file with stdout and stderr, followed by `tail`; error files.
+    `signals`: those that end the launcher once the workers start (comma-separated names)."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
     class RankLogs(LogsSpecs):
         def __init__(self):
-            self.owned = log_dir is None  # a temporary directory, removed with `cleanup`
-            root = tempfile.mkdtemp(prefix="ddpkit-launch-") if self.owned else os.path.abspath(log_dir)
-            os.makedirs(root, exist_ok=True)
-            super().__init__(log_dir=root)
+            self.owned = log_dir is None  # a temporary directory, made when the workers first start
+            super().__init__(log_dir=None if self.owned else os.path.abspath(log_dir))
+            if not self.owned:
+                os.makedirs(self.root_log_dir, exist_ok=True)
             self.files: dict[int, str] = {}  # global rank -> output file of the latest attempt
 
         @property
@@ -59,6 +67,13 @@ def _rank_logs(log_dir: str | None, tail):
             return str(self._root_log_dir)
 
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            if self._root_log_dir is None:
+                # Not before: a signal during the rendezvous ends the launcher at once (its default action; a
+                # handler would not even run while torch's TCPStore waits in C++), which must leave nothing
+                # behind. From here torchelastic's own handlers (installed next, as it starts the workers) and
+                # ours until then end the launcher through `run`'s cleanup instead.
+                _signals_end_the_launcher(signals)
+                self._root_log_dir = tempfile.mkdtemp(prefix="ddpkit-launch-")
             dest = LogsDest()
             for local_rank, env in envs.items():
                 rank, attempt = int(env["RANK"]), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -77,10 +92,45 @@ def _rank_logs(log_dir: str | None, tail):
             return dest
 
         def cleanup(self) -> None:
-            if self.owned:
+            if self.owned and self._root_log_dir is not None:
                 shutil.rmtree(self.root_log_dir, ignore_errors=True)
 
     return RankLogs()
+
+
+def _signals_end_the_launcher(names: str) -> None:
+    """The signals named (comma-separated) raise torchelastic's SignalException, as its handlers do: `run` then
+    stops the workers (if any started) and cleans up."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers; torchelastic then sets none either
+
+    def handler(signum, frame):
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    for name in filter(None, (part.strip() for part in names.split(","))):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handler)
+
+
+def _exited_early(agent) -> dict:
+    """The workers of the last attempt that exited with code 0 before torchelastic saw the first failure, by
+    global rank, as failures of code 0: torchelastic reports non-zero exits only, so a rank that left mid-job
+    (sys.exit(0), os._exit(0) in a library) was missing from the summary, which blamed the peers that lost it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    context = getattr(agent, "_pcontext", None)
+    # torchelastic's own record: the local ranks still running when it saw the first failure (it stopped them).
+    running = getattr(context, "_running_local_ranks", None)
+    handlers = getattr(context, "subprocess_handlers", None) or {}
+    found = {}
+    for worker in agent.get_worker_group().workers:
+        handler = handlers.get(worker.local_rank)
+        if running is not None and worker.local_rank not in running and handler and handler.proc.returncode == 0:
+            found[worker.global_rank] = ProcessFailure(local_rank=worker.local_rank, pid=handler.proc.pid,
+                                                       exitcode=0, error_file=context.error_files[worker.local_rank])
+    return found
 
 
 # `sh -c 'exec "$@" 2>&1'`: the worker's stderr joins its stdout, so one file per rank keeps both in order; exec
@@ -95,19 +145,12 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    from .console import PREFIX, Console, Tail
-    from .env import CONSOLE_COLUMNS_VAR
+    from .console import Console, Tail
 
-    # Workers inherit the launcher's environment (torchelastic copies os.environ into each); the process
-    # context reads the signals to forward from here.
-    os.environ.update(plan.worker_env)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals
     console = Console(sys.stdout)
-    if console.terminal and CONSOLE_COLUMNS_VAR not in os.environ:
-        # What is left of the row after the prefix: a bar that fits redraws in place, one that wrapped could not.
-        os.environ[CONSOLE_COLUMNS_VAR] = str(max(20, console.columns - len(PREFIX.format(rank=0)) - 2))
+    _export_to_workers(plan, console)
     tail = Tail(console)
-    logs = _rank_logs(plan.log_dir, tail)
+    logs = _rank_logs(plan.log_dir, tail, plan.signals)
     handler = None
     shutdown_rdzv = True
     try:
@@ -124,7 +167,8 @@ def run(plan: LaunchPlan) -> int:
         result = agent.run()
         tail.stop()  # every line of the workers first, then the summary
         if result is not None and result.is_failed():
-            print(failure_summary(result.failures, logs.files, logs.root_log_dir if not logs.owned else None),
+            failures = {**_exited_early(agent), **result.failures}  # in the order they were seen
+            print(failure_summary(failures, logs.files, logs.root_log_dir if not logs.owned else None),
                   file=sys.stderr, flush=True)
             return 1
         return 0
@@ -143,10 +187,28 @@ def run(plan: LaunchPlan) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     finally:
-        tail.stop()  # again, harmless: for an error that escaped the agent
-        if handler is not None and shutdown_rdzv:
-            handler.shutdown()
-        logs.cleanup()
+        try:
+            tail.stop()  # again, harmless: for an error that escaped the agent
+            if handler is not None and shutdown_rdzv:
+                handler.shutdown()
+        finally:
+            logs.cleanup()  # also when a second signal interrupts the shutdown
+
+
+def _export_to_workers(plan: LaunchPlan, console) -> None:
+    """Into the launcher's environment, which the workers inherit (torchelastic copies os.environ into each): the
+    plan's additions, who their launcher is, the console's width; and the signals the process context forwards."""
+    from .console import PREFIX
+    from .env import CONSOLE_COLUMNS_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR
+    from .orphan import pid_namespace
+
+    os.environ.update(plan.worker_env)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals
+    # This launcher (ddpkit.orphan), not an outer one whose values it inherited.
+    os.environ.update({LAUNCHER_PID_VAR: str(os.getpid()), LAUNCHER_PID_NS_VAR: pid_namespace() or ""})
+    if console.terminal and CONSOLE_COLUMNS_VAR not in os.environ:
+        # What is left of the row after the prefix: a bar that fits redraws in place, one that wrapped could not.
+        os.environ[CONSOLE_COLUMNS_VAR] = str(max(20, console.columns - len(PREFIX.format(rank=0)) - 2))
 
 
 def _port_in_use(error: str) -> str:

@@ -24,6 +24,14 @@ class LaunchError(RuntimeError):
 
 def rendezvous(info: LaunchInfo, join_timeout: datetime.timedelta) -> dist.Store:
     """Meet the other processes through torch's rendezvous (TCPStore) and check that all of them came."""
+    if info.bad_master_port is not None:
+        # torch's env:// would say "invalid literal for int()" or "port must have value from 0 to 65535", without
+        # the variable's name; a ValueError too, as torch's.
+        raise ValueError(f"MASTER_PORT={info.bad_master_port!r} is not a port number (a whole number from 0 to "
+                         f"65535), and this process (rank {info.rank} of {info.world_size}, {info.launcher} "
+                         "environment) meets the world on it: export the same free port of rank 0's host to every "
+                         "process (e.g. MASTER_PORT=29500), or leave it to the launcher (ddpkit launch and torchrun "
+                         "set it)")
     if info.launcher == "torchrun":
         # env:// reads MASTER_ADDR/PORT itself; under TORCHELASTIC_USE_AGENT_STORE it connects to the agent's
         # store as a client and never binds the port, which the agent already holds.

@@ -2,14 +2,24 @@
 
 Under `ddpkit launch` or torchrun, the launcher (torchelastic's agent) is every worker's parent. When it is
 killed with SIGKILL nothing forwards a signal, and without this the workers would train on to the end and race a
-restarted job for the same output_dir. So `watch_parent` starts a daemon thread that notices when this process
-has been re-parented (its parent died) and sends this process SIGTERM: the Trainer turns that into its usual stop
-(every rank stops after the same step and one checkpoint is written), any other script ends as SIGTERM ends it.
-If the process is still alive `grace_s` later (a rank blocked in a collective with a peer that died at once,
-say), the thread ends it.
+restarted job for the same output_dir. So `watch_parent` starts a daemon thread that notices when the launcher
+is gone and sends this process SIGTERM: the Trainer turns that into its usual stop (every rank stops after the
+same step and one checkpoint is written), any other script ends as SIGTERM ends it. If the process is still
+alive `grace_s` later (a rank blocked in a collective with a peer that died at once, say), the thread ends it.
 
-Polling the parent pid once a second costs one system call a second. PR_SET_PDEATHSIG would signal without
-polling, but Linux sends it when the *thread* that forked us exits, which need not be the launcher's death.
+How the launcher is known to be gone:
+  * `ddpkit launch` tells its workers its pid (`launcher`, read by ddpkit.env): it is gone when it is no longer
+    this process's parent, nor its parent's parent and so on (a worker started through a wrapper, `--no-python
+    sh -c ...`), or when the parent changed. A launcher that died before the watch began (while the worker
+    imported torch) is caught too: the worker was re-parented, to pid 1 or to a subreaper, which is not it.
+  * Under any other launcher (torchrun, accelerate launch) the parent at the start of the watch is taken for the
+    launcher, and it is gone when the parent changes. A parent of pid 1 is then not judged: it may be a launcher
+    that is its container's init (`docker run ... torchrun`), or a launcher already dead, and nothing tells them
+    apart.
+
+Polling once a second costs a system call a second (and a read of /proc per ancestor, only through a wrapper).
+PR_SET_PDEATHSIG would signal without polling, but Linux sends it when the *thread* that forked us exits, which
+need not be the launcher's death.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 POLL_S = 1.0
 # After the SIGTERM, how long a worker may take to stop by itself: a Trainer stops after its step and a
@@ -26,26 +37,70 @@ POLL_S = 1.0
 GRACE_S = 30.0
 
 
-def watch_parent(grace_s: float = GRACE_S, poll_s: float = POLL_S) -> threading.Thread:
-    """Stop this process (SIGTERM, then a hard exit after `grace_s`) once its parent is gone."""
+def watch_parent(grace_s: float = GRACE_S, poll_s: float = POLL_S, launcher: int | None = None) -> threading.Thread:
+    """Stop this process (SIGTERM, then a hard exit after `grace_s`) once its launcher is gone; `launcher`: the
+    launcher's pid where it said it (ddpkit launch), else the parent is taken for it."""
     parent = os.getppid()
-    thread = threading.Thread(target=_watch, args=(parent, grace_s, poll_s), name="ddpkit-parent-watch",
+    thread = threading.Thread(target=_watch, args=(parent, grace_s, poll_s, launcher), name="ddpkit-parent-watch",
                               daemon=True)
     thread.start()
     return thread
 
 
-def _watch(parent: int, grace_s: float, poll_s: float) -> None:
-    if parent == 1:
-        # The launcher is its PID namespace's init (a container whose entrypoint is `ddpkit launch` or torchrun):
-        # when it dies the kernel kills every process of the namespace, this one too. Nothing to watch.
+def _watch(parent: int, grace_s: float, poll_s: float, launcher: int | None = None) -> None:
+    runs = launcher_runs(parent, launcher)
+    if runs is None:
         return
-    while os.getppid() == parent:
+    while runs():
         time.sleep(poll_s)
-    print(f"[ddpkit] the launcher (pid {parent}) is gone: stopping this worker (pid {os.getpid()})",
-          file=sys.stderr, flush=True)
+    now = os.getppid()
+    print(f"[ddpkit] the launcher (pid {launcher or parent}) is gone: stopping this worker (pid {os.getpid()})"
+          + (f"; its parent is now pid {now}" if now != (launcher or parent) else ""), file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     print(f"[ddpkit] worker {os.getpid()} did not stop within {grace_s:.0f} s of its launcher's death: exiting",
           file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def launcher_runs(parent: int, launcher: int | None) -> Callable[[], bool] | None:
+    """A test that holds while the launcher runs, for a worker whose parent was `parent` when the watch began;
+    None when there is nothing to watch."""
+    if parent == 1 and launcher in (None, 1):
+        # A launcher that is its PID namespace's init (a container whose entrypoint is `ddpkit launch` or
+        # torchrun): when it dies the kernel kills every process of the namespace, this one too.
+        return None
+    if launcher is not None and parent == 1:
+        return lambda: False  # re-parented to init: the launcher, which is not init, died before the watch began
+    if launcher is None or not os.path.isdir("/proc/self"):  # (without /proc no ancestor can be looked up)
+        return lambda: os.getppid() == parent
+    return lambda: os.getppid() == parent and descends_from(launcher)
+
+
+def descends_from(pid: int) -> bool:
+    """Whether `pid` is this process's parent, or its parent's parent, and so on up to init (read from /proc)."""
+    ancestor = os.getppid()
+    while ancestor != pid:
+        if ancestor <= 1:
+            return False
+        ancestor = _parent_of(ancestor)
+        if ancestor is None:  # it ended while we looked: the line to the launcher is broken
+            return False
+    return True
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace ("pid:[4026531836]"), in which a pid means what it says; None without /proc."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None

@@ -1,7 +1,10 @@
 """`ddpkit launch`'s report on a failed job: the root cause first, with its traceback (recorded by ddpkit.errors in
 the worker), the signal that killed a worker by name, and the tail of its output when no traceback was recorded.
 
-    print(failure_summary(result.failures, output_files, log_dir), file=sys.stderr)
+    print(failure_summary(failures, output_files, log_dir), file=sys.stderr)
+
+`failures`: torchelastic's, by global rank in the order the agent saw them, and before them the ranks that exited
+with code 0 while the others still ran (a failure of code 0: the launcher finds them, torchelastic does not).
 """
 
 from __future__ import annotations
@@ -25,9 +28,16 @@ def _signal_name(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
+# A rank that exited with code 0 before the job finished: why that is a failure, and how it comes about.
+EARLY_EXIT = ("while the other ranks still needed it: a sys.exit(0), os._exit(0) or return in the middle of the job, "
+              "in the script or a library it calls")
+
+
 def _describe(failure) -> str:
     if failure.exitcode < 0:
         return f"killed by {_signal_name(failure.exitcode)} (signal {-failure.exitcode})"
+    if failure.exitcode == 0:
+        return "exited with code 0 before the job finished"
     return f"exited with code {failure.exitcode}"
 
 
@@ -51,7 +61,9 @@ def root_cause(failures: Mapping[int, Any]) -> int:
     """The global rank whose failure caused the others.
 
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
-    unless it only says that a peer was gone; then a worker that died on its own: an exit code, a signal other
+    unless it only says that a peer was gone; then a rank that exited with code 0 while the others still ran
+    (before any failure: the peers that lost it fail in gloo's words, "Connection closed by peer", or are aborted
+    by NCCL's watchdog, without a traceback); then a worker that died on its own: an exit code, a signal other
     than the agent's SIGTERM/SIGKILL, or any signal for the failure the agent saw first (`failures` keeps the
     order it saw them in: the ranks it stopped afterwards come last; the OOM killer's SIGKILL, an outside kill);
     then a traceback that says only that a peer was gone (a consequence, but a rank's own words: it may be the
@@ -60,7 +72,8 @@ def root_cause(failures: Mapping[int, Any]) -> int:
     or one that raised only because its peer had died; the error file's modification time orders them to the
     nanosecond.
     """
-    first_seen = next(iter(failures), None)
+    first_seen = next((rank for rank, failure in failures.items() if failure.exitcode != 0), None)
+
     def key(rank):
         failure = failures[rank]
         trace = _traceback(failure)
@@ -69,17 +82,29 @@ def root_cause(failures: Mapping[int, Any]) -> int:
         except (OSError, TypeError):
             when = float(failure.timestamp)
         explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
-        if trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
+        if failure.exitcode == 0:
+            tier = 1  # left while the others ran
+        elif trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
         elif trace is None and (failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL) or rank == first_seen):
-            tier = 1  # died on its own: an exit code, a signal the agent does not send, or the first failure seen
+            tier = 2  # died on its own: an exit code, a signal the agent does not send, or the first failure seen
         elif trace is not None:
-            tier = 2  # raised, in words of a peer gone
+            tier = 3  # raised, in words of a peer gone
         else:
-            tier = 3  # stopped by the agent
+            tier = 4  # stopped by the agent
         return (tier, when, rank)
 
     return min(failures, key=key)
+
+
+def _what_the_others_saw(others: Mapping[int, Any]) -> list[str]:
+    """For a root cause that said nothing (it exited 0): the traceback of the rank that best tells what followed,
+    often ddpkit's account of where the rank that left was (PeerVanishedError)."""
+    raised = {rank: failure for rank, failure in others.items() if failure.exitcode != 0 and _traceback(failure)}
+    if not raised:
+        return []
+    rank = root_cause(raised)
+    return [f"what rank {rank} saw, which {_describe(raised[rank])}:", _traceback(raised[rank]).rstrip()]
 
 
 def _tail(path: str | None, lines: int = OUTPUT_TAIL_LINES) -> str:
@@ -100,8 +125,9 @@ def failure_summary(failures: Mapping[int, Any], output_files: Mapping[int, str]
     output_files = output_files or {}
     first = root_cause(failures)
     failure = failures[first]
+    why = f" ({EARLY_EXIT})" if failure.exitcode == 0 else ""
     lines = ["=" * 80, "ddpkit launch: the job failed",
-             f"root cause: rank {first} (local rank {failure.local_rank}, pid {failure.pid}) {_describe(failure)}"]
+             f"root cause: rank {first} (local rank {failure.local_rank}, pid {failure.pid}) {_describe(failure)}{why}"]
     trace = _traceback(failure)
     if trace:
         lines.append(trace.rstrip())
@@ -110,6 +136,8 @@ def failure_summary(failures: Mapping[int, Any], output_files: Mapping[int, str]
         lines.append("(no traceback recorded)" + (f"; the last lines of its output:\n{tail.rstrip()}" if tail
                                                    else ""))
     others = [rank for rank in sorted(failures) if rank != first]
+    if failure.exitcode == 0:
+        lines += _what_the_others_saw({rank: failures[rank] for rank in failures if rank != first})
     if others:
         lines.append("then: " + "; ".join(f"rank {rank} {_describe(failures[rank])}" for rank in others))
     if log_dir:
