@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import types
+
+import pytest
+
+from conftest import two_at_a_time
 
 from ddpkit import summary
 
@@ -126,3 +131,60 @@ def test_a_launch_whose_rank_os_exits_0_mid_training_names_that_rank():
     assert ") exited with code 0 before the job finished (while the other ranks still needed it" in text, text
     assert "the last lines of its output:\nLEAVING 1 " in text and "what rank 0 saw, which exited with code 1" in text
     assert "then: rank 0 exited with code 1" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# From outside: the launcher's summary
+# ---------------------------------------------------------------------------------------------------------
+
+MISBEHAVE = str(os.path.join(os.path.dirname(__file__), "scripts", "misbehave.py"))
+
+
+@pytest.fixture(scope="module")
+def misbehaved(tmp_path_factory):
+    """Both launches of misbehave.py, side by side (each keeps its deadline): by mode, its finished future."""
+    from test_launch import LAUNCH, run
+
+    def launch(mode, *extra):
+        out = tmp_path_factory.mktemp(mode)
+        return lambda: run([*LAUNCH, "--nproc-per-node", "2", MISBEHAVE, "--mode", mode, *extra, "--output_dir",
+                            str(out)], timeout=150)
+
+    return two_at_a_time({"eval_on_rank0": launch("eval_on_rank0"),
+                          "leave_early": launch("leave_early", "--leave_at_step", "3"),
+                          "vanish": launch("vanish", "--leave_at_step", "3")})
+
+
+def test_trainer_evaluate_on_rank0_only_ends_the_job_within_seconds(misbehaved):
+    result = misbehaved["eval_on_rank0"].result()
+    entered = max(float(t) for t in re.findall(r"ENTER \d ([\d.]+)", result.out))
+    print(f"last rank entered the mismatched collective -> launcher exited: {result.ended - entered:.2f} s")
+    assert result.rc == 1, result.err
+    assert "FINISHED" not in result.out
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "DeadlockError" in summary and "ORDER MISMATCH" in summary, summary
+    assert "rank 0 called all_reduce (eval loss) where rank 1 called barrier (save_model)" in summary, summary
+    assert "trainer.evaluate()" in summary and "trainer.save_model()" in summary, summary  # and from where
+    # ddp_timeout is 1800 s and the stall threshold 60 s: only the certain-deadlock path ends it this soon
+    assert result.ended - entered < 30, result.ended - entered
+
+
+def test_a_rank_that_exits_0_mid_training_is_named_as_the_root_cause(misbehaved):
+    result = misbehaved["leave_early"].result()
+    left = float(re.search(r"LEAVING 1 ([\d.]+)", result.out).group(1))
+    print(f"rank 1 left -> launcher exited: {result.ended - left:.2f} s")
+    assert result.rc == 1, result.err
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert ("PeerLeftError: rank 1 left the job early (its process exited without raising: the end of its script, "
+            "or sys.exit) after collective #") in summary, summary
+    assert "the root cause" in summary and "Connection reset" not in summary.split("PeerLeftError")[1][:300]
+    assert "backward 3" in summary, summary  # rank 0 waited in the bucket of the step rank 1 never took
+    assert result.ended - left < 30, result.ended - left
+
+
+def test_a_rank_that_os_exits_0_mid_training_is_named_as_the_root_cause(misbehaved):
+    result = misbehaved["vanish"].result()
+    assert result.rc == 1, result.err
+    summary = result.err[result.err.index("ddpkit launch: the job failed"):]
+    assert "PeerVanishedError: rank 1 (pid " in summary and "ended without telling the others" in summary, summary
+    assert "os._exit" in summary and ": the root cause. Rank 0 was in collective #" in summary, summary
