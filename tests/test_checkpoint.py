@@ -247,23 +247,17 @@ def test_every_rank_rng_is_saved_and_errors_reach_all_ranks(tmp_path):
 
 
 def test_checkpoint_knows_only_env_comm_and_integrity():
-    with open(ckpt.__file__, encoding="utf-8") as f:
-        source = f.read()
-    local = {line.split()[1] for line in source.splitlines() if line.startswith("from .")}
+    def local(module):
+        with open(ckpt.__file__.replace("checkpoint.py", f"{module}.py"), encoding="utf-8") as f:
+            return {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")}
+
     # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the
-    # checksummed writes and failure explanations of integrity (a leaf); atomic: whole-file writes (a leaf).
-    assert local <= {".atomic", ".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".weights",
-                     ".zero_checkpoint"}
-    with open(ckpt.__file__.replace("checkpoint.py", "checkpoint_dir.py"), encoding="utf-8") as f:
-        assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {
-            ".atomic", ".integrity"}
-    with open(ckpt.__file__.replace("checkpoint.py", "zero_checkpoint.py"), encoding="utf-8") as f:
-        assert {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")} <= {
-            ".zero_state", ".integrity"}
-    for leaf in ("integrity.py", "atomic.py", "weights.py"):
-        leaf = integrity.__file__.replace("integrity.py", leaf)
-        with open(leaf, encoding="utf-8") as f:
-            assert "from ." not in f.read()  # the checks and the writes know nothing of ours
+    # checksummed writes and failure explanations of integrity; integrity, atomic and weights are leaves.
+    assert local("checkpoint") <= {".atomic", ".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".weights",
+                                   ".zero_checkpoint"}
+    assert local("checkpoint_dir") <= {".atomic", ".integrity"}
+    assert local("zero_checkpoint") <= {".zero_state", ".integrity"}
+    assert local("integrity") == local("atomic") == local("weights") == set()
 
 
 # -- kills, corruption and a full disk, done from outside -------------------------------------------------------
