@@ -70,3 +70,21 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path, local_world
     trainer.train()
     logged = [e["learning_rate"] for e in trainer.state.log_history if "loss" in e]
     assert logged == pytest.approx([0.1 * (13 - k) / 12 for k in range(1, 13)], rel=1e-12)
+
+
+def test_an_epoch_log_after_a_resume_at_the_epochs_end_is_the_uninterrupted_runs(tmp_path, local_world):
+    """logging_strategy "epoch", a checkpoint on the first epoch's last step (5), resumed there: the epoch's log
+    comes before its step's checkpoint is read back, with that step's grad_norm and learning_rate. The resumed
+    run made no log at step 5 (it took no step in that epoch), and logged epoch 2 as the mean of both epochs."""
+    def logs(trainer):  # samples_per_second: the resumed run trained none before the log
+        return [{k: v for k, v in e.items() if k != "samples_per_second"} for e in trainer.state.log_history
+                if "loss" in e]
+
+    kw = dict(num_train_epochs=2, logging_strategy="epoch", save_strategy="steps", save_steps=5, max_grad_norm=1.0,
+              lr_scheduler_type="linear", learning_rate=0.1)
+    whole = _trainer(tmp_path, [], **kw)
+    whole.train()
+    assert [e["step"] for e in logs(whole)] == [5, 10]
+    resumed = _trainer(tmp_path / "resumed", [], **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert logs(resumed) == logs(whole)

@@ -163,8 +163,11 @@ def reference_hash(tmp_path_factory):
 
 def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash):
     out = tmp_path / "run"
-    # 0.5 s per step: the run would take 12 s, so the stop lands long before the end however late we read
-    with launched("--shutdown-timeout", str(GRACE_S), out=out, script_args=("--sleep_per_step", "0.5")) as job:
+    # 0.5 s per step: the run would take 12 s, so the stop lands long before the end however late we read. Data
+    # loader workers: the launcher's SIGTERM reaches each rank's process group, which they must not be in (a
+    # worker killed by it made its rank's next batch raise, and no checkpoint was written).
+    with launched("--shutdown-timeout", str(GRACE_S), out=out,
+                  script_args=("--sleep_per_step", "0.5", "--dataloader_num_workers", "2")) as job:
         job.wait_for(r"^\[rank0\]: LOGGED step \d+$")
         sent = time.monotonic()
         job.proc.send_signal(signal.SIGTERM)  # the launcher only, as SLURM or Kubernetes would signal it

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 class TrainingLoop:
     def __init__(self, trainer: Trainer, sampler: Any, progress: Progress):
         self.trainer, self.sampler, self.progress = trainer, sampler, progress
-        self.last: tuple[float, float] | None = None  # the last step's (grad_norm, learning_rate), for an epoch's log
+        # the last step's (grad_norm, learning_rate), for an epoch's log: a resumed run's is its checkpoint's
+        self.last: tuple[float, ...] | None = tuple(trainer.state.last_step_log) or None
 
     def run(self, sampler_state: dict | None) -> None:
         """Epochs until max_steps, the plan's epochs (one a callback ended early counts, as in Transformers), a stop
@@ -142,6 +143,7 @@ class TrainingLoop:
         logging = by_steps or (step == 1 and args.logging_first_step) or t.control.should_log
         t.control.should_log = False
         self.last = (grad_norm, learning_rate)
+        t.state.last_step_log = list(self.last)
         if logging:
             self.log_loss(grad_norm, learning_rate)
         run.show(t.state.last_logged("loss"), logged=logging)

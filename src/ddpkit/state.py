@@ -64,9 +64,19 @@ class TrainerState:
     train_loss_steps: int = 0
     # ddpkit's: what max_steps was planned from (plan.StepPlan), so that a resume asking for more epochs trains them
     plan_arguments: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # ddpkit's: the last step's [grad_norm, learning_rate], which the log at an epoch's end shows, also when a run
+    # resumed from that step's checkpoint makes it (loop.TrainingLoop)
+    last_step_log: list[float] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resume_from(self, saved: Mapping[str, Any]) -> None:
+        """A checkpoint's progress (its trainer_state.json) in place of this run's, to go on from (the running
+        losses: RunningLoss.resumed; the fields of this run's own plan and world stay)."""
+        self.global_step = saved["global_step"]
+        for name in RESUMED:
+            setattr(self, name, saved.get(name, getattr(self, name)))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainerState:
@@ -91,5 +101,8 @@ class TrainerState:
         """Whether `key` was logged at `step`."""
         return any(key in e and e.get("step") == step for e in self.log_history)
 
+
+RESUMED = ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint", "total_flos",
+           "last_step_log")
 
 __all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState"]

@@ -54,7 +54,7 @@ from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
 from .trainer_eval import EvaluationMixin
-from .window import StopRequest, Window
+from .window import StopRequest, Window, spared_by_the_stop
 from .wrap import prepare_model
 
 get_scheduler = optim.get_scheduler
@@ -135,16 +135,19 @@ class Trainer(EvaluationMixin):
         # Its own generator, seeded per epoch: creating an iterator must not draw from the global RNG, or a run
         # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
         generator = torch.Generator().manual_seed(_data_seed(self.args) + epoch)
-        return DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size, sampler=sampler,
-                          collate_fn=self._collate(), num_workers=self.args.dataloader_num_workers,
-                          drop_last=self.args.dataloader_drop_last, generator=generator,
-                          pin_memory=self.world.device.type == "cuda")
+        return self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
+                            drop_last=self.args.dataloader_drop_last, pin_memory=self.world.device.type == "cuda")
 
     def get_eval_dataloader(self, dataset: Dataset, indices: list[int]) -> DataLoader:
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=indices,
-                          collate_fn=self._collate(), num_workers=self.args.dataloader_num_workers,
-                          generator=torch.Generator().manual_seed(_data_seed(self.args)))
+        return self._loader(dataset, self.args.per_device_eval_batch_size, indices,
+                            torch.Generator().manual_seed(_data_seed(self.args)))
+
+    def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
+        workers = self.args.dataloader_num_workers  # out of the stop's signals (window.spared_by_the_stop)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
+                          num_workers=workers, generator=generator,
+                          worker_init_fn=spared_by_the_stop if workers else None, **kw)
 
     def _collate(self) -> Callable:
         """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""
@@ -271,9 +274,7 @@ class Trainer(EvaluationMixin):
         trainer_state, sampler_state = resume.restore(path, model=self.model, optimizer=self.optimizer,
                                                       scheduler=self.lr_scheduler, world=self.world,
                                                       scaler=self.precision.scaler, comm=self.comm)
-        self.state.global_step = trainer_state["global_step"]
-        for name in ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint", "total_flos"):
-            setattr(self.state, name, trainer_state.get(name, getattr(self.state, name)))
+        self.state.resume_from(trainer_state)
         if self.state.best_model_checkpoint:  # renamed aside by a later run's save of its step, perhaps
             self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
         if self.args.restore_callback_states_from_checkpoint:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -72,6 +73,16 @@ def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
     """The sum over the ranks of their loss shares, in its own all-reduce (before a log or a checkpoint) but laid
     out as agree_on_window lays it out, so that the sum's rounding is the same whichever of the two computed it."""
     return sum_over_ranks(comm, _layout(world, loss=loss), what, world.device)[3]
+
+
+def spared_by_the_stop(worker_id: int) -> None:
+    """A DataLoader worker_init_fn: the worker leaves its rank's process group for one of its own. The signals that
+    ask for a stop reach a whole group (a launcher stops its workers with killpg, as do `timeout`, a batch
+    system's job step and a terminal's Ctrl-C): a loader worker hit by a SIGTERM that is not its parent's dies
+    (torch's handler), its rank's next batch then raises, and the stop's checkpoint is never written. Out of the
+    group, it goes on serving batches until the rank's step ends; the rank shuts it down with its loader, and a
+    worker whose rank died ends by itself (torch's watchdog of its parent)."""
+    os.setpgid(0, 0)
 
 
 class StopRequest:
