@@ -63,11 +63,13 @@ def root_cause(failures: Mapping[int, Any]) -> int:
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
     unless it only says that a peer was gone; then a rank that exited with code 0 while the others still ran
     (before any failure: the peers that lost it fail in gloo's words, "Connection closed by peer", or are aborted
-    by NCCL's watchdog, without a traceback); then a worker that died on its own: an exit code, a signal other
-    than the agent's SIGTERM/SIGKILL, or any signal for the failure the agent saw first (`failures` keeps the
-    order it saw them in: the ranks it stopped afterwards come last; the OOM killer's SIGKILL, an outside kill);
-    then a traceback that says only that a peer was gone (a consequence, but a rank's own words: it may be the
-    cause, a dataset download's "Connection reset by peer"); last a rank the agent stopped. torchelastic's own
+    by NCCL's watchdog, without a traceback); then a worker that died on its own: an exit code or a signal other
+    than the agent's SIGTERM/SIGKILL; then one killed by such a signal if it is the failure the agent saw first
+    (`failures` keeps the order it saw them in, mostly: the ranks it stopped afterwards come last; the OOM killer's
+    SIGKILL, an outside kill), after an exit code because that order is not always kept (every rank exiting with
+    a bad argument's code 2, one of them listed first as stopped by the agent); then a traceback that says only
+    that a peer was gone (a consequence, but a rank's own words: it may be the cause, a dataset download's
+    "Connection reset by peer"); last a rank the agent stopped. torchelastic's own
     choice, the earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped,
     or one that raised only because its peer had died; the error file's modification time orders them to the
     nanosecond.
@@ -86,12 +88,14 @@ def root_cause(failures: Mapping[int, Any]) -> int:
             tier = 1  # left while the others ran
         elif trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
-        elif trace is None and (failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL) or rank == first_seen):
-            tier = 2  # died on its own: an exit code, a signal the agent does not send, or the first failure seen
+        elif trace is None and failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL):
+            tier = 2  # died on its own: an exit code, a signal the agent does not send
+        elif trace is None and rank == first_seen:
+            tier = 3  # the agent's signal, but the first failure it saw
         elif trace is not None:
-            tier = 3  # raised, in words of a peer gone
+            tier = 4  # raised, in words of a peer gone
         else:
-            tier = 4  # stopped by the agent
+            tier = 5  # stopped by the agent
         return (tier, when, rank)
 
     return min(failures, key=key)
