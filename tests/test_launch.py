@@ -286,11 +286,12 @@ def _listening(port: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("rdzv, sig", [("static", signal.SIGTERM), ("c10d", signal.SIGTERM),
-                                       ("c10d", signal.SIGINT)])
+@pytest.mark.parametrize("rdzv, sig", [("static", signal.SIGTERM), ("static", signal.SIGINT),
+                                       ("c10d", signal.SIGTERM), ("c10d", signal.SIGINT)])
 def test_a_signal_during_the_rendezvous_leaves_no_temporary_folder(tmp_path, rdzv, sig):
     """Node 0 of two waits for a node that never comes. SIGTERM there ended the launcher at once (its default
-    action: no handler runs while torch's TCPStore waits in C++), leaving its ddpkit-launch-* folder in TMPDIR."""
+    action: no handler runs while torch's TCPStore waits in C++), leaving its ddpkit-launch-* folder in TMPDIR;
+    a Ctrl-C (SIGINT) in the static rendezvous went unheard until it timed out. Both end it within seconds."""
     port = free_port()
     how = (["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)] if rdzv == "static" else
            ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lone"])

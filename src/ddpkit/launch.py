@@ -114,6 +114,16 @@ def _signals_end_the_launcher(names: str) -> None:
             signal.signal(getattr(signal, name), handler)
 
 
+def _ctrl_c_ends_a_static_rendezvous(plan: LaunchPlan) -> None:
+    """The static rendezvous waits in C++ (torch's TCPStore) for the other nodes, where Python's Ctrl-C handler
+    never runs: a Ctrl-C went unheard until the rendezvous timed out (900 s). Until the workers start (the
+    handlers of _signals_end_the_launcher, then torchelastic's, replace this) it ends the launcher at once, as
+    SIGTERM does; nothing is there to clean up yet. (c10d's rendezvous waits in Python: its KeyboardInterrupt
+    goes through `run`'s cleanup, which tells the other nodes.)"""
+    if plan.rdzv_backend == "static" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _exited_early(agent) -> dict:
     """The workers of the last attempt that exited with code 0 before torchelastic saw the first failure, by
     global rank, as failures of code 0: torchelastic reports non-zero exits only, so a rank that left mid-job
@@ -149,6 +159,7 @@ def run(plan: LaunchPlan) -> int:
 
     console = Console(sys.stdout)
     _export_to_workers(plan, console)
+    _ctrl_c_ends_a_static_rendezvous(plan)
     tail = Tail(console)
     logs = _rank_logs(plan.log_dir, tail, plan.signals)
     handler = None
