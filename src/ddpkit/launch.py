@@ -24,7 +24,8 @@ and error files are torchelastic's own; ddpkit adds, each in its own module:
 Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every worker, which then
 has --shutdown-timeout seconds to exit before SIGKILL. When a worker fails, torchelastic sends SIGTERM to the
 others at once (and SIGKILL after its own fixed 30 s). Before the workers start (during the rendezvous) the
-signals keep their default action (SIGINT: Python's KeyboardInterrupt), and the launcher leaves nothing behind
+signals keep their default action (SIGINT: Python's KeyboardInterrupt under c10d, the OS's under the static
+rendezvous, which waits in C++ where no Python handler runs), and the launcher leaves nothing behind
 then: the temporary folder of the workers' output is made when they first start. Each worker learns the
 launcher's pid (DDPKIT_LAUNCHER_PID, read by ddpkit.env), by which it stops when the launcher is killed
 (ddpkit.orphan).
