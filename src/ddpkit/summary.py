@@ -61,14 +61,15 @@ def root_cause(failures: Mapping[int, Any]) -> int:
     """The global rank whose failure caused the others.
 
     A recorded traceback beats everything (the others were stopped because of it), the earliest written first,
-    unless it only says that a peer was gone; then a rank that exited with code 0 while the others still ran
-    (before any failure: the peers that lost it fail in gloo's words, "Connection closed by peer", or are aborted
-    by NCCL's watchdog, without a traceback); then a worker that died on its own: an exit code or a signal other
+    unless it only says that a peer was gone; then a worker that died on its own: an exit code or a signal other
     than the agent's SIGTERM/SIGKILL; then one killed by such a signal if it is the failure the agent saw first
     (`failures` keeps the order it saw them in, mostly: the ranks it stopped afterwards come last; the OOM killer's
     SIGKILL, an outside kill), after an exit code because that order is not always kept (every rank exiting with
-    a bad argument's code 2, one of them listed first as stopped by the agent); then a traceback that says only
-    that a peer was gone (a consequence, but a rank's own words: it may be the cause, a dataset download's
+    a bad argument's code 2, one of them listed first as stopped by the agent); then a rank that exited with code
+    0 before any failure (the peers that lost it fail in gloo's words, "Connection closed by peer"), after those
+    that died on their own because it may simply have finished first (a peer that then crashed at its teardown
+    is the cause; so, unavoidably, is NCCL's watchdog's abort of a peer it left behind); then a traceback that
+    says only that a peer was gone (a consequence, but a rank's own words: it may be the cause, a dataset download's
     "Connection reset by peer"); last a rank the agent stopped. torchelastic's own
     choice, the earliest timestamp, counts whole seconds, so it often names a survivor that was merely stopped,
     or one that raised only because its peer had died; the error file's modification time orders them to the
@@ -85,13 +86,13 @@ def root_cause(failures: Mapping[int, Any]) -> int:
             when = float(failure.timestamp)
         explains = trace is not None and any(name in trace for name in EXPLAINING_ERRORS)
         if failure.exitcode == 0:
-            tier = 1  # left while the others ran
+            tier = 3  # left, or finished, while the others ran
         elif trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
         elif trace is None and failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL):
-            tier = 2  # died on its own: an exit code, a signal the agent does not send
+            tier = 1  # died on its own: an exit code, a signal the agent does not send
         elif trace is None and rank == first_seen:
-            tier = 3  # the agent's signal, but the first failure it saw
+            tier = 2  # the agent's signal, but the first failure it saw
         elif trace is not None:
             tier = 4  # raised, in words of a peer gone
         else:
