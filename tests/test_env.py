@@ -250,8 +250,14 @@ def test_a_stray_master_port_stops_no_world_of_one_and_is_named_where_it_is_used
 def test_the_launchers_pid_is_read_in_its_own_pid_namespace_only():
     from ddpkit.orphan import pid_namespace
 
-    told = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "DDPKIT_LAUNCHER_PID": "4242"}
+    told = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "DDPKIT_LAUNCHER_PID": "4242",
+            "DDPKIT_LAUNCHER_RUN_ID": "x"}
     assert read_launch_env(told).launcher_pid == 4242
+    # another launch's values, inherited by a job torchrun started (with its own run id, or its default "none")
+    for run in ("y", "none"):
+        assert read_launch_env({**told, "TORCHELASTIC_RUN_ID": run}).launcher_pid is None
+    assert read_launch_env({**told, "TORCHELASTIC_RUN_ID": "none", "DDPKIT_LAUNCHER_RUN_ID": "none"}).launcher_pid \
+        is None
     assert read_launch_env({**told, "DDPKIT_LAUNCHER_PID_NS": pid_namespace() or ""}).launcher_pid == 4242
     # a worker in a PID namespace of its own: that number names another process there
     assert read_launch_env({**told, "DDPKIT_LAUNCHER_PID_NS": "pid:[1]"}).launcher_pid is None

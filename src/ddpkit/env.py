@@ -37,8 +37,8 @@ from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 # torch's own default for a process group; the Transformers default for ddp_timeout is the same 1800 s.
 DEFAULT_TIMEOUT_S = 1800.0
-# What `ddpkit launch` tells its workers about itself: its pid, and the PID namespace in which that pid holds.
-LAUNCHER_PID_VAR, LAUNCHER_PID_NS_VAR = "DDPKIT_LAUNCHER_PID", "DDPKIT_LAUNCHER_PID_NS"
+# What `ddpkit launch` tells its workers of itself: its pid, the PID namespace it holds in, the launch's run id.
+LAUNCHER_PID_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_RUN_VAR = (f"DDPKIT_LAUNCHER_{n}" for n in ("PID", "PID_NS", "RUN_ID"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +124,12 @@ def _master_port(env: Mapping[str, str]) -> tuple[int | None, str | None]:
 
 
 def _launcher_pid(env: Mapping[str, str]) -> int | None:
-    """ddpkit launch's pid, for the parent watch; None unless told, or when told in another PID namespace (a
-    worker in a namespace of its own), where that number names another process."""
+    """ddpkit launch's pid, for the parent watch; None unless this worker's own launch told it (another's values,
+    inherited by a job torchrun started, name another run id; torchrun's default "none" names none), or when told
+    in another PID namespace (a worker in a namespace of its own), where that number names another process."""
     pid, space = env.get(LAUNCHER_PID_VAR, ""), env.get(LAUNCHER_PID_NS_VAR) or None
-    return int(pid) if pid.isdigit() and int(pid) > 0 and space in (None, pid_namespace()) else None
+    ours = env.get(LAUNCHER_RUN_VAR) == env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none")
+    return int(pid) if ours and pid.isdigit() and int(pid) > 0 and space in (None, pid_namespace()) else None
 
 
 def _slurm_launch(env: Mapping[str, str], addr: str | None, port: int | None, bad_port: str | None) -> LaunchInfo:

@@ -211,13 +211,14 @@ def _export_to_workers(plan: LaunchPlan, console) -> None:
     """Into the launcher's environment, which the workers inherit (torchelastic copies os.environ into each): the
     plan's additions, who their launcher is, the console's width; and the signals the process context forwards."""
     from .console import PREFIX
-    from .env import CONSOLE_COLUMNS_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR
+    from .env import CONSOLE_COLUMNS_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR, LAUNCHER_RUN_VAR
     from .orphan import pid_namespace
 
     os.environ.update(plan.worker_env)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals
     # This launcher (ddpkit.orphan), not an outer one whose values it inherited.
-    os.environ.update({LAUNCHER_PID_VAR: str(os.getpid()), LAUNCHER_PID_NS_VAR: pid_namespace() or ""})
+    os.environ.update({LAUNCHER_PID_VAR: str(os.getpid()), LAUNCHER_PID_NS_VAR: pid_namespace() or "",
+                       LAUNCHER_RUN_VAR: plan.run_id})
     if console.terminal and CONSOLE_COLUMNS_VAR not in os.environ:
         # What is left of the row after the prefix: a bar that fits redraws in place, one that wrapped could not.
         os.environ[CONSOLE_COLUMNS_VAR] = str(max(20, console.columns - len(PREFIX.format(rank=0)) - 2))
