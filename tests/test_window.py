@@ -160,3 +160,59 @@ def test_a_ctrl_c_ends_one_train_call_and_the_next_trains_on(tmp_path, local_wor
     assert resumed.global_step == 8 and "stopped" not in resumed.metrics
     again = trainer.train()
     assert again.global_step == 8 and "stopped" not in again.metrics
+
+
+LOADER = """
+import os, sys, time
+import torch
+from ddpkit.window import spared_by_the_stop
+
+class Stuck(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        print("WORKER", os.getpid(), flush=True)
+        time.sleep(120)  # a read that hangs (a network file system): torch's watch of the parent never looks
+        return i
+
+loader = torch.utils.data.DataLoader(Stuck(), num_workers=1, worker_init_fn=spared_by_the_stop)
+next(iter(loader))
+"""
+
+
+def test_a_loader_worker_ignores_the_stops_sigterm_and_dies_with_its_rank(tmp_path):
+    """With dataloader_num_workers the Trainer's loader workers leave the rank's process group and ignore
+    SIGTERM (the stop is the rank's), and die with the rank, even blocked in a sample: out of the group, the
+    launcher's SIGKILL of it missed them, and they outlived the launcher."""
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER)
+    rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=clean_env(),
+                            start_new_session=True)
+    worker = None
+    try:
+        worker = int(rank.stdout.readline().split()[1])
+        assert os.getpgid(worker) == worker != os.getpgid(rank.pid)
+        os.kill(worker, signal.SIGTERM)  # as a batch system signals every process of the job
+        time.sleep(0.5)
+        assert _alive(worker), "the loader worker died of a SIGTERM its rank was to handle"
+        os.killpg(rank.pid, signal.SIGTERM)  # the launcher's stop, to the rank's group: the rank (no handler) ends
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.1)
+        assert not _alive(worker), "the loader worker outlived its rank"
+    finally:
+        rank.kill()
+        rank.wait()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (read from /proc: a re-parented zombie may wait a while for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

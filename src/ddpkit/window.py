@@ -13,6 +13,7 @@ gradient all-reduces still match and uneven data never hangs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -24,6 +25,8 @@ from typing import Any
 
 from .comm import Comm, sum_over_ranks
 from .env import DistEnv
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclasses.dataclass
@@ -76,13 +79,23 @@ def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
 
 
 def spared_by_the_stop(worker_id: int) -> None:
-    """A DataLoader worker_init_fn: the worker leaves its rank's process group for one of its own. The signals that
-    ask for a stop reach a whole group (a launcher stops its workers with killpg, as do `timeout`, a batch
-    system's job step and a terminal's Ctrl-C): a loader worker hit by a SIGTERM that is not its parent's dies
-    (torch's handler), its rank's next batch then raises, and the stop's checkpoint is never written. Out of the
-    group, it goes on serving batches until the rank's step ends; the rank shuts it down with its loader, and a
-    worker whose rank died ends by itself (torch's watchdog of its parent)."""
+    """A DataLoader worker_init_fn: the stop's signals are its rank's to handle, and the worker lives exactly as
+    long as its rank. A SIGTERM that is not its parent's kills a loader worker (torch's handler); its rank's next
+    batch then raises, and the stop's checkpoint is never written. So the worker leaves its rank's process group
+    (a launcher stops its workers with killpg, as do `timeout` and a terminal's Ctrl-C) and ignores SIGTERM (a
+    batch system may signal every process of the job: SLURM with cgroups); the rank shuts it down with its loader.
+    Out of the group, a SIGKILL of the rank's group no longer reaches it either: on Linux the kernel kills it when
+    the rank dies (PR_SET_PDEATHSIG), also while it is blocked reading a sample, where torch's own watch of its
+    parent never looks."""
+    parent = os.getppid()
     os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: torch's watch of its parent, between samples
+        return
+    if os.getppid() != parent:  # the rank died before the kernel could be told
+        os._exit(1)
 
 
 class StopRequest:
