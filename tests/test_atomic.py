@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -61,3 +63,20 @@ def test_durable_writes_fsync_the_file_and_its_folder(tmp_path, monkeypatch):
     with atomic.replacing(str(tmp_path / "b.txt")) as f:  # not durable: no fsync
         f.write("b")
     assert synced == []
+
+
+def test_a_killed_writers_temporary_is_swept_and_a_live_ones_kept(tmp_path):
+    """Each temporary has a name of its own, so one a kill left behind stays for good unless swept: remove_stale
+    (run by the output_dir's owner at the start and at each save) removes those whose writer is gone."""
+    from ddpkit.checkpoint_dir import remove_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"metrics.jsonl.tmp-{dead.pid}-0123abcd"
+    live = tmp_path / f"metrics.jsonl.tmp-{os.getpid()}-0123abcd"  # this process writes it now
+    other = tmp_path / f"trainer_state.json.tmp-{os.getppid()}-89abcdef"  # a live process's
+    kept = [tmp_path / "metrics.jsonl", tmp_path / "notes.tmp-12-x", tmp_path / f"data.tmp-{dead.pid}-0123abc"]
+    for path in [gone, live, other, *kept]:
+        path.write_text("x")
+    assert remove_stale(str(tmp_path)) == [str(gone)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [live, other, *kept])

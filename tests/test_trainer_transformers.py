@@ -42,6 +42,8 @@ def flos_world(world, out):
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/checkpoint-2")
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
+    assert loaded.config.architectures == ["GPT2LMHeadModel"]
+    assert os.path.isfile(f"{out}/checkpoint-2/generation_config.json")
     resumed = Trainer(gpt2(), trainer_args(out, **args), sequences()).train(f"{out}/checkpoint-1").metrics
     return metrics["total_flos"], logged, saved, resumed["total_flos"]
 

@@ -14,13 +14,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
 
+_TEMPORARY = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")
+
+
 def temporary_name(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def left_behind(path: str) -> bool:
+    """Whether `path` is a temporary of this module whose writer is gone from this machine (killed mid-write):
+    debris to sweep (ddpkit.checkpoint_dir.remove_stale). A live writer's, or one whose pid was reused, stays."""
+    match = _TEMPORARY.search(os.path.basename(path))
+    if match is None or not os.path.isfile(path) or int(match.group(1)) == os.getpid():
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
 
 
 def fsync_path(path: str) -> None:

@@ -87,10 +87,9 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     save_weights_file(model, os.path.join(folder, MODEL_FILE))
     # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
     sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
-    config = getattr(model, "config", None)
-    if callable(getattr(config, "save_pretrained", None)):  # a Transformers model: from_pretrained(the folder) loads
-        config.save_pretrained(folder)  # it, as it loads a Transformers checkpoint
-        sums[CONFIG_FILE] = file_crc32(os.path.join(folder, CONFIG_FILE))
+    for name, config in _configs(model).items():  # from_pretrained(the folder) loads it, as a Transformers one
+        config.save_pretrained(folder)
+        sums[name] = file_crc32(os.path.join(folder, name))
     # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
     for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
         if source is not None:
@@ -109,6 +108,20 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     marker = manifest(folder, names, step, crc32=sums)
     write_json(os.path.join(folder, MARKER_FILE), marker if run is None else {**marker, "run": run})
     fsync_path(folder)
+
+
+def _configs(model: torch.nn.Module) -> dict[str, Any]:
+    """A Transformers model's configurations by file, as its save_pretrained writes them: config.json naming its
+    class (`architectures`), and generation_config.json for a model that generates."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        return {}
+    config.architectures = [type(model).__name__]  # save_pretrained's own, which the Auto classes read
+    found = {CONFIG_FILE: config}
+    generation = getattr(model, "generation_config", None)
+    if callable(getattr(model, "can_generate", None)) and model.can_generate() and generation is not None:
+        found["generation_config.json"] = generation
+    return found
 
 
 def _publish(tmp: str, final: str, run: str | None = None) -> None:

@@ -12,13 +12,14 @@ its own (ddpkit.runs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import uuid
 import warnings
 
-from .atomic import fsync_path
+from .atomic import fsync_path, left_behind
 from .integrity import MARKER_FILE, CheckpointError, problems, read_marker
 
 PREFIX = "checkpoint"
@@ -103,8 +104,9 @@ def find_latest_checkpoint(output_dir: str, run: str | None = None, renamed: boo
 def remove_stale(output_dir: str) -> list[str]:
     """Delete what killed saves and rotations left behind; the paths removed.
 
-    That is hidden temporary and trash folders, and checkpoint-<step> folders that hold neither a completion
-    marker nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted). A whole
+    That is hidden temporary and trash folders, checkpoint-<step> folders that hold neither a completion marker
+    nor a trainer_state.json (empty ones, or what an older ddpkit's rotation left half-deleted), and the
+    temporaries of whole-file writes whose writer was killed (ddpkit.atomic: metrics.jsonl's, say). A whole
     temporary folder whose checkpoint-<step> name is free is published first (_finish_publishing). Call it
     only while this run owns output_dir (see ddpkit.lock): another run's temporary folder would go too."""
     if not os.path.isdir(output_dir):
@@ -117,6 +119,10 @@ def remove_stale(output_dir: str) -> list[str]:
             _NAME.match(name) is not None and os.path.isdir(path) and checkpoint_step(path) is None)
         if debris:
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif left_behind(path):
+            with contextlib.suppress(OSError):
+                os.remove(path)
             removed.append(path)
     return removed
 

@@ -46,7 +46,8 @@ def save_weights_file(model: torch.nn.Module, path: str, metadata: dict[str, str
     out = {}
     for name, tensor in kept.items():
         shared = tensor.numel() and users[(tensor.device, tensor.untyped_storage().data_ptr())] > 1
-        out[name] = tensor.detach().clone(memory_format=torch.contiguous_format) if shared else tensor.contiguous()
+        # A view's own copy on the host, where the file is written from anyway (not a second model on a GPU)
+        out[name] = tensor.detach().to("cpu", copy=True).contiguous() if shared else tensor.contiguous()
     save_file(out, path, metadata=metadata or None)
 
 
