@@ -52,6 +52,8 @@ def test_root_cause_is_the_traceback_not_the_ranks_stopped_after_it(tmp_path):
     # ... but not always in that order: every rank exiting with a bad argument's code 2, one listed first as
     # stopped by the agent's SIGTERM (2 of 56 launches in a review), the exit code is the cause
     assert summary.root_cause({8: failure(8, -15), 9: failure(9, 2)}) == 9
+    # a rank whose own SIGTERM handler exits with 128 + 15 was stopped by the agent as much as one the signal ended
+    assert summary.root_cause({9: failure(9, -9), 8: failure(8, 143)}) == 9
     peer_words = failure(7, 1, "RuntimeError: [gloo] Connection closed by peer", when=900)
     assert summary.root_cause({5: failure(5, -15), 7: peer_words}) == 5
     # A rank's own error in a peer's words beats the ranks stopped after it, by SIGTERM or (ignored) SIGKILL.

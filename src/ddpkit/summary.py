@@ -57,6 +57,11 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "PeerFail
 # (ddpkit's EXPLAINING_ERRORS, a deadlock or a rank that left early, quote those words but are the cause.)
 
 
+# How a rank the agent stopped ends: by its SIGTERM or SIGKILL, or exiting with 128 + the signal from a handler
+# of its own (a shell's, a script's that exits as the signal would have).
+AGENTS_ENDS = frozenset((-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL))
+
+
 def root_cause(failures: Mapping[int, Any]) -> int:
     """The global rank whose failure caused the others.
 
@@ -89,7 +94,7 @@ def root_cause(failures: Mapping[int, Any]) -> int:
             tier = 3  # left, or finished, while the others ran
         elif trace is not None and (explains or not any(marker in trace for marker in _PEER_GONE)):
             tier = 0  # raised on its own
-        elif trace is None and failure.exitcode not in (-signal.SIGTERM, -signal.SIGKILL):
+        elif trace is None and failure.exitcode not in AGENTS_ENDS:
             tier = 1  # died on its own: an exit code, a signal the agent does not send
         elif trace is None and rank == first_seen:
             tier = 2  # the agent's signal, but the first failure it saw
