@@ -202,3 +202,39 @@ def test_a_launcher_above_a_wrapper_is_watched_through_it():
     ended.wait()
     assert not orphan.descends_from(ended.pid) and not orphan.launcher_runs(parent, ended.pid)()
     assert orphan.launcher_runs(1, None) is None and orphan.launcher_runs(1, 1) is None
+
+
+def test_workers_under_torchrun_through_a_wrapper_stop_when_it_is_killed(tmp_path):
+    """`torchrun --no-python sh -c "python train.py ...; echo done"`: the worker's parent is the shell, which
+    outlives torchrun's SIGKILL, so the watch of the parent never fired and the worker trained on. torchelastic
+    makes the shell lead a session of its own: the launcher is the session leader's parent."""
+    out = tmp_path / "run"
+    command = f"{sys.executable} {SCRIPT} --output_dir {out} --max_steps 400 --sleep_per_step 0.2; echo done"
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                 "--no-python", "sh", "-c", command],
+                                env=clean_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("LOGGED step" in line for line in lines):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        (shell,) = _children(launcher.pid)
+        workers = _children(shell)
+        assert len(workers) == 1, workers
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        took = _wait_gone(workers, deadline_s=20)
+        print(f"the worker stopped {took:.1f} s after torchrun's SIGKILL")
+    finally:
+        for pid in [launcher.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+    found = list_checkpoints(str(out))
+    assert len(found) == 1, (found, "".join(lines))  # the Trainer's agreed stop: one checkpoint

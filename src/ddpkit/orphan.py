@@ -13,9 +13,10 @@ How the launcher is known to be gone:
     sh -c ...`), or when the parent changed. A launcher that died before the watch began (while the worker
     imported torch) is caught too: the worker was re-parented, to pid 1 or to a subreaper, which is not it.
   * Under any other launcher (torchrun, accelerate launch) the parent at the start of the watch is taken for the
-    launcher, and it is gone when the parent changes. A parent of pid 1 is then not judged: it may be a launcher
-    that is its container's init (`docker run ... torchrun`), or a launcher already dead, and nothing tells them
-    apart.
+    launcher, and it is gone when the parent changes; through a wrapper, the parent of the session the worker's
+    top process leads is (`session_launcher`), watched as ddpkit launch's pid is. A parent of pid 1 is then not
+    judged: it may be a launcher that is its container's init (`docker run ... torchrun`), or a launcher already
+    dead, and nothing tells them apart.
 
 Polling once a second costs a system call a second (and a read of /proc per ancestor, only through a wrapper).
 PR_SET_PDEATHSIG would signal without polling, but Linux sends it when the *thread* that forked us exits, which
@@ -75,6 +76,15 @@ def launcher_runs(parent: int, launcher: int | None) -> Callable[[], bool] | Non
     if launcher is None or not os.path.isdir("/proc/self"):  # (without /proc no ancestor can be looked up)
         return lambda: os.getppid() == parent
     return lambda: os.getppid() == parent and descends_from(launcher)
+
+
+def session_launcher() -> int | None:
+    """Under torchelastic (torchrun, accelerate launch) each worker's top process leads a session of its own: when
+    that is not this process (a wrapper between them, `torchrun --no-python sh -c "python train.py; ..."`), the
+    launcher is the session leader's parent, not this process's, which is the wrapper and outlives the launcher.
+    None when this process leads its session (its parent is the launcher) or it cannot be read."""
+    leader = os.getsid(0)
+    return None if leader == os.getpid() else _parent_of(leader)
 
 
 def descends_from(pid: int) -> bool:
