@@ -139,6 +139,25 @@ def test_a_reset_stop_request_forgets_the_stop_and_the_first_ctrl_c():
         assert stop.requested
 
 
+def test_a_second_press_a_launcher_forwards_at_once_stops_a_worker_in_its_own_session(monkeypatch):
+    """torchrun forwards a second Ctrl-C as SIGTERM at once: 0.3 s after the first it was taken for the same press
+    (meant for a process in the terminal's group, which may get one press twice) and the worker trained on."""
+    from ddpkit import window
+
+    stop = StopRequest(announce=False)
+    monkeypatch.setattr(window.os, "getsid", lambda pid: os.getpid())  # a session leader, as torchelastic's workers
+    with stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(window.os, "getsid", lambda pid: os.getpid() + 1)  # in a terminal's group: a duplicate
+    with StopRequest(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+
+
 class CtrlCAtStep2(TrainerCallback):
     def __init__(self):
         self.pressed = False

@@ -120,10 +120,14 @@ class StopRequest:
 
     def reset(self) -> None:
         """No stop asked and no Ctrl-C seen: each train() call starts so (a notebook's Ctrl-C ends one call only)."""
-        self.requested = False
+        self.requested, self._own_session = False, False
         self._first_interrupt: float | None = None
 
     def __enter__(self) -> StopRequest:
+        # Leading a session of its own (torchelastic's workers, ddpkit launch's), this process gets only what its
+        # launcher forwards, never a terminal's Ctrl-C besides: a signal after the first Ctrl-C is a second press
+        # however soon it comes (torchrun forwards one as SIGTERM at once).
+        self._own_session = os.getsid(0) == os.getpid()
         if threading.current_thread() is threading.main_thread():
             for signum, handler in ((signal.SIGTERM, self._ask), (signal.SIGINT, self._interrupt)):
                 previous = signal.signal(signum, handler)
@@ -145,7 +149,7 @@ class StopRequest:
             if self.announce:
                 print("\n[ddpkit] Ctrl-C: every rank stops after this step and writes a checkpoint; press Ctrl-C "
                       "again to stop at once, without one", file=sys.stderr, flush=True)
-        elif now - self._first_interrupt > self.DUPLICATE_S:
+        elif self._own_session or now - self._first_interrupt > self.DUPLICATE_S:
             raise KeyboardInterrupt
 
 
