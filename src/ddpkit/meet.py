@@ -103,7 +103,8 @@ def _wait_for_everyone(store: dist.Store, info: LaunchInfo, join_timeout: dateti
                               "and destroy it alike; a rank whose init failed and was retried counts twice")
         raise LaunchError(f"only {arrived} of the {info.world_size} processes that WORLD_SIZE announces joined "
                           f"within {join_timeout.total_seconds():g} s. Start exactly WORLD_SIZE processes "
-                          "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE")
+                          "(ddpkit launch --nproc-per-node N sets it for you), or fix WORLD_SIZE; if they were "
+                          "started, one failed or hangs before init_process_group (see its output)")
 
 
 __all__ = ["LaunchError", "rendezvous"]
