@@ -27,6 +27,7 @@ remove_unused_columns (collator.py), the shapes of batches and outputs (model_io
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -147,7 +148,8 @@ class Trainer(EvaluationMixin):
         workers = self.args.dataloader_num_workers  # out of the stop's signals (window.spared_by_the_stop)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
                           num_workers=workers, generator=generator,
-                          worker_init_fn=spared_by_the_stop if workers else None, **kw)
+                          worker_init_fn=functools.partial(spared_by_the_stop, rank=os.getpid()) if workers else None,
+                          **kw)
 
     def _collate(self) -> Callable:
         """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""

@@ -78,23 +78,25 @@ def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
     return sum_over_ranks(comm, _layout(world, loss=loss), what, world.device)[3]
 
 
-def spared_by_the_stop(worker_id: int) -> None:
-    """A DataLoader worker_init_fn: the stop's signals are its rank's to handle, and the worker lives exactly as
-    long as its rank. A SIGTERM that is not its parent's kills a loader worker (torch's handler); its rank's next
-    batch then raises, and the stop's checkpoint is never written. So the worker leaves its rank's process group
-    (a launcher stops its workers with killpg, as do `timeout` and a terminal's Ctrl-C) and ignores SIGTERM (a
-    batch system may signal every process of the job: SLURM with cgroups); the rank shuts it down with its loader.
-    Out of the group, a SIGKILL of the rank's group no longer reaches it either: on Linux the kernel kills it when
-    the rank dies (PR_SET_PDEATHSIG), also while it is blocked reading a sample, where torch's own watch of its
-    parent never looks."""
-    parent = os.getppid()
+def spared_by_the_stop(worker_id: int, rank: int) -> None:
+    """A DataLoader worker_init_fn (functools.partial(spared_by_the_stop, rank=os.getpid())): the stop's signals
+    are the rank's to handle, and the worker lives exactly as long as the rank. A SIGTERM that is not its parent's
+    kills a loader worker (torch's handler); its rank's next batch then raises, and the stop's checkpoint is never
+    written. So the worker leaves its rank's process group, which a launcher stops with killpg (as do `timeout`
+    and a terminal's Ctrl-C); torch's handler still ends it for its rank's own SIGTERM (the loader's shutdown).
+    Out of the group, a SIGKILL of the group no longer reaches it: on Linux the kernel kills it when the rank dies
+    (PR_SET_PDEATHSIG; the Trainer makes its iterators on the main thread), also while it is blocked reading a
+    sample, where torch's own watch of its parent never looks. A worker that is not the rank's child (a
+    forkserver's, Python 3.14's default) keeps torch's defaults: its parent, in the rank's group, dies with it.
+    A signal sent to every process of the job (SLURM with cgroups) still ends the workers."""
+    if os.getppid() != rank:
+        return
     os.setpgid(0, 0)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: torch's watch of its parent, between samples
         return
-    if os.getppid() != parent:  # the rank died before the kernel could be told
+    if os.getppid() != rank:  # the rank died before the kernel could be told
         os._exit(1)
 
 
