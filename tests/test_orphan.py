@@ -238,3 +238,19 @@ def test_workers_under_torchrun_through_a_wrapper_stop_when_it_is_killed(tmp_pat
         launcher.wait()
     found = list_checkpoints(str(out))
     assert len(found) == 1, (found, "".join(lines))  # the Trainer's agreed stop: one checkpoint
+
+
+def test_only_a_session_leader_the_launch_started_is_taken_for_a_wrapper():
+    """The launcher is the session leader's parent only where the launch started that leader (it carries the
+    worker's TORCHELASTIC_RUN_ID): a worker sharing its launcher's session (a function entrypoint's, a notebook's)
+    would otherwise have watched the login shell's parent and stopped when the user logged out."""
+    from ddpkit.orphan import session_launcher
+
+    probe = f"{sys.executable} -c 'from ddpkit.orphan import session_launcher; print(session_launcher(\"x\"))'"
+    env = clean_env(TORCHELASTIC_RUN_ID="x")
+    wrapped = subprocess.run(["sh", "-c", f"{probe}; true"], env=env, capture_output=True, text=True,
+                             start_new_session=True, timeout=60)
+    assert wrapped.stdout.strip() == str(os.getpid()), wrapped  # the wrapper's parent: here, this process
+    shared = subprocess.run(["sh", "-c", f"{probe}; true"], env=env, capture_output=True, text=True, timeout=60)
+    assert shared.stdout.strip() == "None", shared  # the leader of this test's session is no wrapper of the launch
+    assert session_launcher(None) is None

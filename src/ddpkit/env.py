@@ -330,7 +330,8 @@ def init_process_group(
             warnings.simplefilter("ignore", RuntimeWarning)
         info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
-        watch_parent(launcher=info.launcher_pid or session_launcher())  # nor outlive a launcher's SIGKILL
+        run = (os.environ if environ is None else environ).get("TORCHELASTIC_RUN_ID")  # a wrapper's must match
+        watch_parent(launcher=info.launcher_pid or session_launcher(run))  # nor outlive a launcher's SIGKILL
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if adopted:

@@ -78,13 +78,28 @@ def launcher_runs(parent: int, launcher: int | None) -> Callable[[], bool] | Non
     return lambda: os.getppid() == parent and descends_from(launcher)
 
 
-def session_launcher() -> int | None:
+def session_launcher(run_id: str | None) -> int | None:
     """Under torchelastic (torchrun, accelerate launch) each worker's top process leads a session of its own: when
     that is not this process (a wrapper between them, `torchrun --no-python sh -c "python train.py; ..."`), the
     launcher is the session leader's parent, not this process's, which is the wrapper and outlives the launcher.
-    None when this process leads its session (its parent is the launcher) or it cannot be read."""
+    Only a leader the launch started is taken, one whose environment holds this worker's TORCHELASTIC_RUN_ID
+    (`run_id`): a worker that leads no session of its own (a function entrypoint's, notebook_launcher's) shares
+    its launcher's, whose leader (a login shell, a kernel) is no wrapper and whose parent no launcher. None when
+    this process leads its session (its parent is the launcher), or for any other leader."""
     leader = os.getsid(0)
-    return None if leader == os.getpid() else _parent_of(leader)
+    if leader == os.getpid() or run_id is None or _environ_of(leader).get("TORCHELASTIC_RUN_ID") != run_id:
+        return None
+    return _parent_of(leader)
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    """Another process's environment as it started (read from /proc; empty where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    except OSError:
+        return {}
+    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
 
 
 def descends_from(pid: int) -> bool:
