@@ -340,3 +340,15 @@ def local_world():
 
     yield
     ddpkit.destroy_process_group()
+
+
+def communicate_all(procs: list, proc: subprocess.Popen, deadline_s: float) -> tuple[str, str]:
+    """proc's output once it ends; past the deadline, every process's output so far, in the failure (a launch
+    whose one node never ended said nothing of why, the other node's output included)."""
+    try:
+        return proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        for other in procs:
+            other.kill()
+        seen = "\n----\n".join(f"{out}\n{err}" for out, err in (other.communicate() for other in procs))
+        pytest.fail(f"did not end within {deadline_s} s; each process's output so far:\n{seen}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, free_port, reap
+from conftest import clean_env, communicate_all, free_port, reap
 from ddpkit import errors, launch_plan, summary
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
@@ -366,7 +366,7 @@ def two_namespaces():
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_nodes_two_processes_end_with_identical_replicas(two_namespaces, rdzv, tmp_path, compat_runs):
-    port = 29531
+    port = 29531 if rdzv == "static" else 29541  # not the port the other case's store just left
     procs = []
     try:
         for node, (ns, dev, addr) in enumerate(two_namespaces):
@@ -379,7 +379,7 @@ def test_two_nodes_two_processes_end_with_identical_replicas(two_namespaces, rdz
             env = clean_env(GLOO_SOCKET_IFNAME=dev)
             procs.append(start(["ip", "netns", "exec", ns, *LAUNCH, "--nnodes", "2", "--nproc-per-node", "2",
                                 *how, SCRIPT, "--out", str(tmp_path)], env))
-        outs = [p.communicate(timeout=DEADLINE_S) for p in procs]
+        outs = [communicate_all(procs, p, DEADLINE_S) for p in procs]
     finally:
         for p in procs:
             reap(p)
