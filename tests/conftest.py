@@ -26,6 +26,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 import zipfile
 import hashlib
@@ -352,3 +353,31 @@ def communicate_all(procs: list, proc: subprocess.Popen, deadline_s: float) -> t
             other.kill()
         seen = "\n----\n".join(f"{out}\n{err}" for out, err in (other.communicate() for other in procs))
         pytest.fail(f"did not end within {deadline_s} s; each process's output so far:\n{seen}")
+
+
+def run_pair(tmp_path, text: str, deadline_s: float = 60) -> list[tuple[int, str, str, float]]:
+    """Run `text` as ranks 0 and 1 of a world (plain processes, no launcher); (exit status, stdout, stderr,
+    unix time it ended) per rank. Every process is reaped."""
+    script = tmp_path / "pair.py"
+    script.write_text(text)
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1"}
+            env.pop("TORCHELASTIC_ERROR_FILE", None)
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        results = []
+        end = time.monotonic() + deadline_s
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+            results.append((proc.returncode, out, err, time.time()))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

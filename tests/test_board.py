@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from conftest import run_pair
 from spawn import run_world
 
 TIMEOUT_S = 8  # the collective timeout (ddp_timeout) of these worlds
@@ -91,26 +92,8 @@ HANDLED_IN_FINALLY = textwrap.dedent("""
 
 def _two_ranks(script_text, tmp_path):
     """Run a script as ranks 0 and 1 of a gloo job; their return codes and (stdout, stderr)."""
-    from ddpkit.env import free_port
-
-    script = tmp_path / "crash.py"
-    script.write_text(script_text)
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(2):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        outputs = [proc.communicate(timeout=60) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs], outputs
+    ranks = run_pair(tmp_path, script_text)
+    return [code for code, _, _, _ in ranks], [(out, err) for _, out, err, _ in ranks]
 
 
 def test_a_crashed_rank_stops_the_others_quickly(tmp_path):

@@ -12,7 +12,7 @@ import time
 import torch
 
 import models
-from conftest import stay_until
+from conftest import run_pair, stay_until
 from spawn import run_world
 
 TIMEOUT_S = 8  # the collective timeout (ddp_timeout) of these worlds
@@ -76,36 +76,6 @@ MISMATCH_SCRIPT = textwrap.dedent("""
         raise SystemExit(3)
     print("no error", flush=True)
 """)
-
-
-def run_pair(tmp_path, text: str, deadline_s: float = 60) -> list[tuple[int, str, str, float]]:
-    """Run `text` as ranks 0 and 1 of a world (plain processes, no launcher); (exit status, stdout, stderr,
-    unix time it ended) per rank. Every process is reaped."""
-    from ddpkit.env import free_port
-
-    script = tmp_path / "pair.py"
-    script.write_text(text)
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(2):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1"}
-            env.pop("TORCHELASTIC_ERROR_FILE", None)
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        results = []
-        end = time.monotonic() + deadline_s
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-            results.append((proc.returncode, out, err, time.time()))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def test_order_mismatch_ends_both_ranks_at_once_with_the_report(tmp_path):

@@ -40,29 +40,24 @@ def _wait_gone(pids: list[int], deadline_s: float) -> float:
     return time.monotonic() - began
 
 
-def test_workers_stop_with_a_checkpoint_when_the_launcher_is_killed(tmp_path):
-    out = tmp_path / "run"
-    # KEEP_ORPHANS=1: the script's own test hygiene (PR_SET_PDEATHSIG) is off, so only ddpkit can stop them.
-    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--log-dir",
-                                 str(tmp_path / "logs"), SCRIPT, "--output_dir", str(out), "--max_steps", "400",
-                                 "--sleep_per_step", "0.2"],
-                                env=clean_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE,
+def _kill_the_launcher_while_training(argv: list[str], workers_of) -> tuple[str, float]:
+    """Start `argv` (a launcher of SCRIPT), SIGKILL it once a step is logged, and wait for its workers
+    (`workers_of(launcher pid)`) to end by themselves; (its output, how long they took). KEEP_ORPHANS=1: the
+    script's own test hygiene (PR_SET_PDEATHSIG) is off, so only ddpkit can stop them."""
+    launcher = subprocess.Popen(argv, env=clean_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 90
         while not any("LOGGED step" in line for line in lines):
             assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.1)
-        workers = _children(launcher.pid)
-        assert len(workers) == 2, workers
+        workers = workers_of(launcher.pid)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
         took = _wait_gone(workers, deadline_s=20)
-        print(f"workers stopped {took:.1f} s after the launcher's SIGKILL")
     finally:
         for pid in [launcher.pid, *workers]:
             try:
@@ -70,6 +65,21 @@ def test_workers_stop_with_a_checkpoint_when_the_launcher_is_killed(tmp_path):
             except ProcessLookupError:
                 pass
         launcher.wait()
+    return "".join(lines), took
+
+
+def _two_workers(launcher: int) -> list[int]:
+    workers = _children(launcher)
+    assert len(workers) == 2, workers
+    return workers
+
+
+def test_workers_stop_with_a_checkpoint_when_the_launcher_is_killed(tmp_path):
+    out = tmp_path / "run"
+    _, took = _kill_the_launcher_while_training(
+        [sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+         SCRIPT, "--output_dir", str(out), "--max_steps", "400", "--sleep_per_step", "0.2"], _two_workers)
+    print(f"workers stopped {took:.1f} s after the launcher's SIGKILL")
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("rank*.log")))
     assert "the launcher" in logs and "is gone" in logs, logs
     found = list_checkpoints(str(out))
@@ -210,34 +220,19 @@ def test_workers_under_torchrun_through_a_wrapper_stop_when_it_is_killed(tmp_pat
     makes the shell lead a session of its own: the launcher is the session leader's parent."""
     out = tmp_path / "run"
     command = f"{sys.executable} {SCRIPT} --output_dir {out} --max_steps 400 --sleep_per_step 0.2; echo done"
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                                 "--no-python", "sh", "-c", command],
-                                env=clean_env(KEEP_ORPHANS="1"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 90
-        while not any("LOGGED step" in line for line in lines):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-        (shell,) = _children(launcher.pid)
+
+    def worker_under_the_shell(launcher: int) -> list[int]:
+        (shell,) = _children(launcher)
         workers = _children(shell)
         assert len(workers) == 1, workers
-        os.kill(launcher.pid, signal.SIGKILL)
-        launcher.wait(10)
-        took = _wait_gone(workers, deadline_s=20)
-        print(f"the worker stopped {took:.1f} s after torchrun's SIGKILL")
-    finally:
-        for pid in [launcher.pid, *workers]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait()
+        return workers
+
+    lines, took = _kill_the_launcher_while_training(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--no-python", "sh", "-c", command],
+        worker_under_the_shell)
+    print(f"the worker stopped {took:.1f} s after torchrun's SIGKILL")
     found = list_checkpoints(str(out))
-    assert len(found) == 1, (found, "".join(lines))  # the Trainer's agreed stop: one checkpoint
+    assert len(found) == 1, (found, lines)  # the Trainer's agreed stop: one checkpoint
 
 
 def test_only_a_session_leader_the_launch_started_is_taken_for_a_wrapper():
