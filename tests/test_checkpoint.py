@@ -252,12 +252,13 @@ def test_checkpoint_knows_only_env_comm_and_integrity():
             return {line.split()[1] for line in f.read().splitlines() if line.startswith("from .")}
 
     # zero_checkpoint: the sharded optimizer files, which know only ddpkit.zero_state's key names and the
-    # checksummed writes and failure explanations of integrity; integrity, atomic and weights are leaves.
+    # checksummed writes and failure explanations of integrity; integrity, weights and procfs are leaves, atomic
+    # asks procfs only whether a temporary's writer is gone.
     assert local("checkpoint") <= {".atomic", ".checkpoint_dir", ".env", ".comm", ".integrity", ".rng", ".weights",
                                    ".zero_checkpoint"}
     assert local("checkpoint_dir") <= {".atomic", ".integrity"}
     assert local("zero_checkpoint") <= {".zero_state", ".integrity"}
-    assert local("integrity") == local("atomic") == local("weights") == set()
+    assert local("integrity") == local("weights") == local("procfs") == set() and local("atomic") == {".procfs"}
 
 
 # -- kills, corruption and a full disk, done from outside -------------------------------------------------------

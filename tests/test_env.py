@@ -248,7 +248,7 @@ def test_a_stray_master_port_stops_no_world_of_one_and_is_named_where_it_is_used
 
 
 def test_the_launchers_pid_is_read_in_its_own_pid_namespace_only():
-    from ddpkit.orphan import pid_namespace
+    from ddpkit.procfs import pid_namespace
 
     told = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "DDPKIT_LAUNCHER_PID": "4242",
             "DDPKIT_LAUNCHER_RUN_ID": "x"}

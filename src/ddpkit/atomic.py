@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
+from .procfs import process_ended
+
 
 _TEMPORARY = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")
 
@@ -33,13 +35,7 @@ def left_behind(path: str) -> bool:
     match = _TEMPORARY.search(os.path.basename(path))
     if match is None or not os.path.isfile(path) or int(match.group(1)) == os.getpid():
         return False
-    try:
-        os.kill(int(match.group(1)), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, another user's
-        pass
-    return False
+    return process_ended(int(match.group(1)))
 
 
 def fsync_path(path: str) -> None:

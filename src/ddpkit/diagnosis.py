@@ -11,10 +11,11 @@ collective it issued, and how it left.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from .procfs import boot_id, pid_namespace, process_ended
 
 State = dict[str, Any]
 
@@ -203,32 +204,12 @@ def left_early(marker: dict[str, Any]) -> str:
     return f"rank {marker['rank']} left the job early ({marker['how']}) {after}"
 
 
-def process_ended(pid: int) -> bool:
-    """Whether process `pid` of this host has ended (gone, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            pass
-        return False
-
-
 @functools.cache
 def process_space() -> str | None:
     """This machine's boot and this process's pid namespace: the processes whose pids this one can look up
     (containers that share a host name may not share it). None where /proc does not tell."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return None
+    boot, space = boot_id(), pid_namespace()
+    return None if boot is None or space is None else f"{boot}/{space}"
 
 
 def vanished(states: dict[int, State | None], rank: int, space: str | None,

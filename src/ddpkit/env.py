@@ -31,7 +31,8 @@ import torch.distributed as dist
 from .backends import backend_for_device, check_backend, default_device_type
 from .errors import ERROR_FILE_VAR, callers_level, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
-from .orphan import pid_namespace, session_launcher, watch_parent
+from .orphan import session_launcher, watch_parent
+from .procfs import pid_namespace
 from .timeline_spec import ENV_VAR as TIMELINE_VAR, decode as decode_timeline
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
@@ -330,8 +331,7 @@ def init_process_group(
             warnings.simplefilter("ignore", RuntimeWarning)
         info = read_launch_env(environ)
     if info.elastic and not any(t.name == "ddpkit-parent-watch" for t in threading.enumerate()):
-        run = (os.environ if environ is None else environ).get("TORCHELASTIC_RUN_ID")  # a wrapper's must match
-        watch_parent(launcher=info.launcher_pid or session_launcher(run))  # nor outlive a launcher's SIGKILL
+        watch_parent(launcher=info.launcher_pid or session_launcher((environ or os.environ).get("TORCHELASTIC_RUN_ID")))
     device_type = device_type or default_device_type()
     timeout = to_timeout(timeout)
     if adopted:

@@ -212,7 +212,7 @@ def _export_to_workers(plan: LaunchPlan, console) -> None:
     plan's additions, who their launcher is, the console's width; and the signals the process context forwards."""
     from .console import PREFIX
     from .env import CONSOLE_COLUMNS_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR, LAUNCHER_RUN_VAR
-    from .orphan import pid_namespace
+    from .procfs import pid_namespace
 
     os.environ.update(plan.worker_env)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals

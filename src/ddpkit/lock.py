@@ -22,6 +22,8 @@ import socket
 import time
 import uuid
 
+from .procfs import boot_id, pid_namespace, stat_fields
+
 LOCK_FILE = ".ddpkit.lock"
 
 
@@ -32,29 +34,21 @@ class OutputDirBusy(RuntimeError):
 def _kernel_ids() -> dict[str, str | None]:
     """This process's PID namespace and the machine's boot: a pid means something only within one namespace (a
     container's pid 1 is not the host's), and no process of an earlier boot runs any more."""
-    ids: dict[str, str | None] = {"pid_ns": None, "boot": None}
-    try:
-        ids["pid_ns"] = os.readlink("/proc/self/ns/pid")
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            ids["boot"] = f.read().strip()
-    except OSError:
-        pass  # no /proc (not Linux): pids are judged as before
-    return ids
+    return {"pid_ns": pid_namespace(), "boot": boot_id()}  # None without /proc (not Linux): pids judged as before
 
 
 def _start_time(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot, from /proc), or None when there is no such process."""
+    fields = stat_fields(pid)
+    if fields is not None and len(fields) > 19:
+        return fields[19]  # field 22 of stat: starttime
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22 of stat: starttime
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return "unknown"  # alive, but no /proc to tell whether it is the same process
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return "unknown"  # alive, but no /proc to tell whether it is the same process
 
 
 class OutputDirLock:

@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .procfs import stat_fields
+
 POLL_S = 1.0
 # After the SIGTERM, how long a worker may take to stop by itself: a Trainer stops after its step and a
 # checkpoint; the same 30 s torchelastic allows its workers after it forwards a signal (--shutdown-timeout).
@@ -115,17 +117,5 @@ def descends_from(pid: int) -> bool:
 
 
 def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def pid_namespace() -> str | None:
-    """This process's PID namespace ("pid:[4026531836]"), in which a pid means what it says; None without /proc."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None and len(fields) > 1 and fields[1].isdigit() else None

@@ -1,0 +1,52 @@
+"""What Linux's /proc tells of processes on this machine, read in one place (the output_dir lock, the launcher
+watch, the stall inspector and the sweep of killed writers' temporaries all ask). Each answer is None, or the
+cautious one, where there is no /proc (not Linux) or the process cannot be read.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...] (field 3 of the man page
+    first). The name may hold spaces and parentheses, so the split is after the last ")"."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields or None
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (gone, or a zombie its parent has not reaped yet)."""
+    fields = stat_fields(pid)
+    if fields is not None:
+        return fields[0] in ("Z", "X")
+    if os.path.isdir("/proc"):
+        return not os.path.exists(f"/proc/{pid}")
+    try:  # no /proc: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace ("pid:[4026531836]"), in which a pid means what it says."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def boot_id() -> str | None:
+    """This machine's boot: no process of an earlier one runs any more."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
