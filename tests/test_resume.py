@@ -163,7 +163,48 @@ def test_resume_with_the_same_world_size_is_bitwise(tmp_path):
         assert done_loss == _mean_loss(logs[:6])  # no step trained: the checkpoint's 6
         assert {seen[0] for seen in newest[2]} == {9, 10}
         assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "sampler_state.json", "trainer_state.json",
-                "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+                "ddpkit_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+    # The checkpoints the resumes above went on from load in Transformers too (ddpkit's fields are beside them).
+    import transformers
+
+    saved = transformers.TrainerState.load_from_json(str(tmp_path / "full" / "checkpoint-6" / "trainer_state.json"))
+    assert saved.global_step == 6 and saved.train_batch_size == 2  # per device; ddpkit's is 2 ranks x 2 x 2
+    assert [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in saved.log_history] == logs[:6]
+    assert read_trainer_state(str(tmp_path / "full" / "checkpoint-6"))["train_batch_size"] == 8
+
+
+def _as_before(folder):
+    """Checkpoint `folder` as the ddpkit before ddpkit_state.json wrote it: every field in trainer_state.json (the
+    global batch as train_batch_size, none of the Transformers fields it did not have), its marker remade."""
+    with open(folder / "trainer_state.json") as f:
+        state = json.load(f)
+    with open(folder / "ddpkit_state.json") as f:
+        state.update(json.load(f))
+    for name in ("num_input_tokens_seen", "is_hyper_param_search", "trial_name", "trial_params"):
+        del state[name]
+    write_json(str(folder / "trainer_state.json"), state)
+    os.remove(folder / "ddpkit_state.json")
+    marker = integrity.read_marker(str(folder))
+    names = [n for n in os.listdir(folder) if n != integrity.MARKER_FILE]
+    sums = {n: integrity.file_crc32(str(folder / n)) for n in names}
+    write_json(str(folder / integrity.MARKER_FILE), {**integrity.manifest(str(folder), names, marker["step"], sums),
+                                                     "run": marker["run"]})
+    return state
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_as_before(tmp_path, local_world):
+    """A checkpoint with no ddpkit_state.json (ddpkit's fields in trainer_state.json) resumes bitwise as the
+    uninterrupted run: the loss since the last log (checkpoint-3 falls between the logs at 4 and 8), train_loss,
+    and the global batch the step plan compares."""
+    full = _resumable_run(str(tmp_path / "full"), logging_steps=4)
+    old = _as_before(tmp_path / "full" / "checkpoint-3")
+    assert old["steps_since_last_log"] == 3 and old["train_batch_size"] == 4
+    assert read_trainer_state(str(tmp_path / "full" / "checkpoint-3")) == old
+    logs, params, seen, train_loss = _resumable_run(str(tmp_path / "again"), resume=str(tmp_path / "full" /
+                                                                                     "checkpoint-3"), logging_steps=4)
+    assert min(step for step, _, _ in seen) == 4 and [entry[0] for entry in logs] == [4, 8]
+    assert (logs, train_loss) == (full[0], full[3])
+    assert all(np.array_equal(a, b) for a, b in zip(params, full[1]))
 
 
 def resume_across_worlds(world, out, resume, max_steps):

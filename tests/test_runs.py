@@ -134,7 +134,7 @@ def test_the_best_checkpoint_renamed_aside_by_a_later_run_is_found_by_its_own(tm
     (b4,) = _checkpoints(tmp_path, "b", 4)
     os.rename(b4, f"{b4}.run-a")  # what run b's save did to run a's checkpoint-4
     _checkpoints(tmp_path, "b", 4)
-    saves = Saves(SimpleNamespace(output_dir=out, save_total_limit=None), None, None)
+    saves = Saves(SimpleNamespace(output_dir=out, save_total_limit=None, per_device_train_batch_size=1), None, None)
     saves.run = "a"
     assert saves.own(b4) == f"{b4}.run-a"
     saves.run = "b"

@@ -92,7 +92,8 @@ def test_a_stop_checkpoint_is_whole_under_save_only_model(tmp_path, local_world)
 
 def test_save_only_model_checkpoints_hold_no_rng_state(tmp_path, local_world):
     """Transformers' save_only_model saves the model and trainer_state.json, no optimizer, scheduler, scaler or RNG
-    state; ddpkit adds its marker and the data position (sampler_state.json)."""
+    state; ddpkit adds its marker, its own progress (ddpkit_state.json) and the data position (sampler_state.json)."""
     run(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
     assert sorted(os.listdir(tmp_path / "checkpoint-2")) == [
-        "checkpoint_complete.json", "model.safetensors", "sampler_state.json", "trainer_state.json"]
+        "checkpoint_complete.json", "ddpkit_state.json", "model.safetensors", "sampler_state.json",
+        "trainer_state.json"]

@@ -1,7 +1,8 @@
 """What a script that swaps Transformers' Trainer for ddpkit's sees alike: total_flos as Transformers 5 counts it (for
 a Transformers model, 6 x the tokens of its main input x its parameters outside the embeddings, per micro-batch,
 summed over the ranks, in each checkpoint's trainer_state.json, in the final log, and carried on by a resume;
-ddpkit's stayed 0), and save_model's folder, which from_pretrained loads."""
+ddpkit's stayed 0), save_model's folder, which from_pretrained loads, and a checkpoint's trainer_state.json, which
+transformers.TrainerState.load_from_json loads."""
 
 from __future__ import annotations
 
@@ -104,3 +105,25 @@ def test_save_model_writes_what_from_pretrained_loads(tmp_path, local_world):
     assert sorted(os.listdir(tmp_path / "elsewhere")) == ["model.safetensors", "training_args.json"]
     assert all(torch.equal(load_file(tmp_path / "elsewhere" / "model.safetensors")[k], v)
                for k, v in plain.state_dict().items())
+
+
+def test_a_checkpoint_s_trainer_state_loads_in_transformers(tmp_path, local_world):
+    """trainer_state.json holds Transformers' fields alone, with Transformers' meanings (train_batch_size: the batch
+    per device): load_from_json raised TypeError on ddpkit's own (loss_since_last_log, plan_arguments, ...), which
+    are in ddpkit_state.json beside it."""
+    import transformers
+
+    args = trainer_args(tmp_path, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        save_strategy="steps", save_steps=2)
+    trainer = Trainer(Classifier().double(), args, classification_data(16))
+    trainer.train()
+    for step in (2, 4):
+        loaded = transformers.TrainerState.load_from_json(str(tmp_path / f"checkpoint-{step}" / "trainer_state.json"))
+        assert (loaded.global_step, loaded.max_steps, loaded.train_batch_size) == (step, 4, 2)
+        assert loaded.log_history == trainer.state.log_history[:step]  # a log a step, the final one after the save
+        assert [entry["step"] for entry in loaded.log_history] == list(range(1, step + 1))
+        with open(tmp_path / f"checkpoint-{step}" / "ddpkit_state.json") as f:
+            ours = json.load(f)
+        assert (ours["train_batch_size"], ours["world_size"], ours["train_loss_steps"]) == (2 * 2, 1, step)
+    final = transformers.TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))  # the run's, at its end
+    assert (final.global_step, final.train_batch_size, final.log_history) == (4, 2, trainer.state.log_history)

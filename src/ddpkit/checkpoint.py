@@ -1,7 +1,9 @@
 """Checkpoints: written atomically by rank 0, loaded without unpickling code.
 
-    path = save_checkpoint(out, step, model=m, optimizer=opt, scheduler=sched, trainer_state=state,
-                           sampler_state=sampler.state_dict(), comm=comm, world=world, save_total_limit=3)
+    theirs, ours = state.split(args.per_device_train_batch_size)
+    path = save_checkpoint(out, step, model=m, optimizer=opt, scheduler=sched, trainer_state=theirs,
+                           ddpkit_state=ours, sampler_state=sampler.state_dict(), comm=comm, world=world,
+                           save_total_limit=3)
     found = load_checkpoint(find_latest_checkpoint(out), model=m, optimizer=opt, scheduler=sched, world=world)
     set_rng_state(found.rng_state)           # right before training continues
 
@@ -14,7 +16,11 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
-    trainer_state.json       global_step, log_history, ... in the Transformers format
+    trainer_state.json       global_step, log_history, ...: Transformers' TrainerState fields alone, so that
+                             transformers.TrainerState.load_from_json (and Transformers' Trainer) reads it
+    ddpkit_state.json        ddpkit's progress beyond them: the running loss sums, the plan's arguments, the world
+                             size, the global batch as train_batch_size, ... read back over trainer_state.json
+                             (state.TrainerState.split; an older ddpkit wrote none: all was in trainer_state.json)
     checkpoint_complete.json the completion marker, written last: every file above with its size and CRC-32
 
 Every rank calls `save_checkpoint` (it gathers the RNG states); rank 0 writes the files into a hidden temporary
@@ -61,6 +67,7 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
 SAMPLER_FILE = "sampler_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
+DDPKIT_STATE_FILE = "ddpkit_state.json"  # the progress fields Transformers' TrainerState has not
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -80,7 +87,8 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
 
 
 def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
-                  scaler=None, crc32: dict[str, int] | None = None, run: str | None = None) -> None:
+                  scaler=None, crc32: dict[str, int] | None = None, run: str | None = None,
+                  ddpkit_state: dict | None = None) -> None:
     """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
     ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
     sums = dict(crc32 or {})
@@ -100,6 +108,8 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     for rank, state in enumerate(rng_states):
         name = RNG_FILE.format(rank=rank)
         sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
+    if ddpkit_state is not None:
+        sums[DDPKIT_STATE_FILE] = write_json(os.path.join(folder, DDPKIT_STATE_FILE), ddpkit_state)
     sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
     names = os.listdir(folder)
     for name in names:
@@ -147,7 +157,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
                     save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None,
-                    run: str | None = None, rng: bool = True) -> str:
+                    run: str | None = None, rng: bool = True, ddpkit_state: dict | None = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
@@ -155,6 +165,8 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     run: the training run's id, written into the marker; rotation then retires only that run's checkpoints.
     rng: whether to write every rank's RNG state (False: a checkpoint of the weights, save_only_model's, that
     nothing resumes from; every rank must pass the same, as the gather is skipped).
+    trainer_state, ddpkit_state: trainer_state.json's content and ddpkit_state.json's (none: no such file), as
+    TrainerState.split makes them; read back as one by read_trainer_state.
     """
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng") if rng else []
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
@@ -171,7 +183,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                 remove_stale(output_dir)
                 os.makedirs(tmp)
             _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
-                          sampler_state, rng_states, scaler, shard_sums, run)
+                          sampler_state, rng_states, scaler, shard_sums, run, ddpkit_state)
             _publish(tmp, final, run)
             # None past this step: a later train() call's of the same run, in a restarted script (rotate's until)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run, until=step)
@@ -192,7 +204,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
 class LoadedCheckpoint:
     path: str
     step: int
-    trainer_state: dict
+    trainer_state: dict  # read_trainer_state's: both progress files as one
     sampler_state: dict | None
     rng_state: dict | None  # this rank's, or None when the saving world had no such rank
     saved_world_size: int
@@ -254,8 +266,12 @@ def check_loadable(path: str, *, optimizer: bool = False, scheduler: bool = Fals
 
 
 def read_trainer_state(path: str) -> dict:
-    """The trainer_state.json of checkpoint `path`, or a CheckpointError that names the file."""
-    return _read_json(os.path.join(path, TRAINER_STATE_FILE))
+    """The progress saved in checkpoint `path`, as the run held it (TrainerState.to_dict's names and meanings):
+    its trainer_state.json with ddpkit_state.json's fields over it, where it has one (an older ddpkit's held it all
+    in trainer_state.json); or a CheckpointError that names the file that cannot be read."""
+    extra = os.path.join(path, DDPKIT_STATE_FILE)
+    ours = _read_json(extra) if os.path.isfile(extra) else {}
+    return {**_read_json(os.path.join(path, TRAINER_STATE_FILE)), **ours}
 
 
 def read_sampler_state(path: str) -> dict | None:

@@ -223,8 +223,9 @@ def restore(path: str, *, model, optimizer, scheduler, world, scaler=None,
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
-    """A checkpoint's trainer_state.json: its progress and plan, read before anything is loaded (a CheckpointError
-    naming the file when it cannot be read)."""
+    """A checkpoint's progress and plan (trainer_state.json with ddpkit_state.json over it, or an older ddpkit's
+    trainer_state.json alone), read before anything is loaded (a CheckpointError naming the file when one cannot
+    be read)."""
     return checkpoint.read_trainer_state(path)
 
 

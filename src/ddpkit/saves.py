@@ -26,6 +26,7 @@ class Saves:
     def __init__(self, args: Any, comm: Comm, world: DistEnv, best: BestModel | None = None):
         self.output_dir = args.output_dir
         self.save_total_limit = args.save_total_limit
+        self.per_device_train_batch_size = args.per_device_train_batch_size  # trainer_state.json's train_batch_size
         self.comm, self.world, self.best = comm, world, best
         self.keep: tuple[str, ...] = ()  # set by the Trainer once it knows what it resumes from
         self.run: str | None = None  # the training run's id (ddpkit.runs): in every marker, and what rotation retires
@@ -54,13 +55,15 @@ class Saves:
     def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
              scaler: Any = None, rng: bool = True) -> str:
         """checkpoint-<state.global_step>, with the state's best_model_checkpoint already naming it if it is the
-        best; call it on every rank."""
+        best; call it on every rank. The state goes into two files (TrainerState.split): trainer_state.json, which
+        Transformers loads, and ddpkit_state.json."""
         step = state.global_step
         if self.best is not None:
             self.best.note_save(state, self.folder(step), step)
+        theirs, ours = state.split(self.per_device_train_batch_size)
         return checkpoint.save_checkpoint(
-            self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
-            trainer_state=state.to_dict(), sampler_state=sampler_state, comm=self.comm, world=self.world,
+            self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state=theirs,
+            ddpkit_state=ours, sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
             run=self.run, rng=rng)
 

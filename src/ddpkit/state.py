@@ -34,7 +34,9 @@ class TrainOutput(NamedTuple):
 
 @dataclasses.dataclass
 class TrainerState:
-    """Progress of a run, saved as trainer_state.json (the Transformers field names)."""
+    """Progress of a run. A checkpoint saves it as two files (`split`): trainer_state.json, Transformers' fields with
+    Transformers' meanings, and ddpkit_state.json, the rest with ddpkit's; the first with the second over it is
+    to_dict() again (checkpoint.read_trainer_state)."""
 
     global_step: int = 0  # optimizer steps taken
     epoch: float = 0.0
@@ -43,13 +45,19 @@ class TrainerState:
     logging_steps: int = 500
     eval_steps: int = 500
     save_steps: int = 500
-    train_batch_size: int = 0  # global samples per optimizer step
+    # Global samples per optimizer step (the step plan compares it on resume). Transformers' is the per-device
+    # batch: trainer_state.json gets that one, ddpkit_state.json this one, read back over it (split).
+    train_batch_size: int = 0
     world_size: int = 1
     log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     best_metric: float | None = None
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     total_flos: float = 0.0
+    num_input_tokens_seen: int = 0  # Transformers' include_num_input_tokens_seen; ddpkit counts no tokens: 0
+    is_hyper_param_search: bool = False  # Transformers' hyperparameter_search, which ddpkit does not run
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
     stateful_callbacks: dict[str, Any] = dataclasses.field(default_factory=dict)  # class name -> state() (or a list)
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
@@ -69,10 +77,24 @@ class TrainerState:
     last_step_log: list[float] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, ddpkit's meanings: a checkpoint's two files, the second over the first (`split`)."""
         return dataclasses.asdict(self)
 
+    def split(self, per_device_train_batch_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(trainer_state.json, ddpkit_state.json) of a checkpoint. The first holds Transformers' fields alone:
+        TrainerState.load_from_json passes every key to the constructor, and one it lacks is a TypeError there.
+        Its train_batch_size is Transformers' per-device batch (which Transformers' Trainer takes up on resume
+        under auto_find_batch_size; None: not known). The second holds the other fields, and the fields whose
+        value means another thing in the first (train_batch_size, the global batch): {**first, **second} is
+        to_dict(), also for a checkpoint an older ddpkit wrote, whose trainer_state.json held it all."""
+        ours = self.to_dict()
+        theirs = {name: ours.pop(name) for name in TRANSFORMERS_FIELDS}
+        ours["train_batch_size"] = theirs["train_batch_size"]
+        theirs["train_batch_size"] = per_device_train_batch_size
+        return theirs, ours
+
     def resume_from(self, saved: Mapping[str, Any]) -> None:
-        """A checkpoint's progress (its trainer_state.json) in place of this run's, to go on from (the running
+        """A checkpoint's progress (both its files, `split`) in place of this run's, to go on from (the running
         losses: RunningLoss.resumed; the fields of this run's own plan and world stay)."""
         self.global_step = saved["global_step"]
         for name in RESUMED:
@@ -103,6 +125,15 @@ class TrainerState:
 
 
 RESUMED = ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint", "total_flos",
-           "last_step_log")
+           "num_input_tokens_seen", "last_step_log")
 
-__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState"]
+# The fields of transformers.TrainerState (5.x; tests/test_state.py compares them with the installed one): a
+# checkpoint's trainer_state.json holds these and no others, so that Transformers and the tools built on it load it.
+TRANSFORMERS_FIELDS = ("epoch", "global_step", "max_steps", "logging_steps", "eval_steps", "save_steps",
+                       "train_batch_size", "num_train_epochs", "num_input_tokens_seen", "total_flos", "log_history",
+                       "best_metric", "best_global_step", "best_model_checkpoint", "is_local_process_zero",
+                       "is_world_process_zero", "is_hyper_param_search", "trial_name", "trial_params",
+                       "stateful_callbacks")
+
+
+__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState", "TRANSFORMERS_FIELDS"]

@@ -389,7 +389,7 @@ class Trainer(EvaluationMixin):
         self.reporter.close(self.state.log_history)
         if self.world.is_main:
             checkpoint.write_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_FILE),
-                                  self.state.to_dict())
+                                  self.state.split(self.args.per_device_train_batch_size)[0])  # Transformers'
 
 
 def _data_seed(args: TrainingArguments) -> int:
