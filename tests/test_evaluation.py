@@ -266,3 +266,96 @@ def test_batches_of_different_lengths_are_padded_as_in_transformers(tmp_path):
     for predictions, label_ids in run_world(tagged_world, world_size=2, args=(str(tmp_path / "mine"),)):
         np.testing.assert_allclose(predictions, theirs.predictions, rtol=0, atol=1e-6)
         np.testing.assert_array_equal(label_ids, theirs.label_ids)
+
+
+# -- evaluation sets without labels --------------------------------------------------------------------------------
+SPEED = ["epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"]
+
+
+class OwnLoss(Trainer):
+    """A compute_loss that takes the labels itself (as in Transformers' docs): it needs them to be there."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = F.cross_entropy(outputs["logits"], labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+def unlabelled_world(world, out):
+    """evaluate on samples without labels: by name (mappings without "labels"), by position (1-tuples), under a
+    name no label_names lists; a training run that evaluates such a set, and one that ranks checkpoints by it."""
+    calls, test = [], classification_data(7, seed=2)
+    bare = [{"x": s["x"]} for s in test]
+
+    def counted(pred):
+        calls.append(len(pred.predictions))
+        return accuracy(pred)
+
+    torch.manual_seed(0)
+    trainer = Trainer(AsTuple().double(), trainer_args(f"{out}/eval", per_device_eval_batch_size=2),
+                      compute_metrics=counted)
+    found = {"bare": sorted(trainer.evaluate(bare)), "one": sorted(trainer.evaluate(bare[:1])),  # rank 1: none
+             "by position": sorted(trainer.evaluate([(s["x"],) for s in test])),
+             "positional labels": trainer.evaluate([(s["x"], s["labels"]) for s in test]),
+             "labelled": trainer.evaluate(test)}
+    found["calls"] = list(calls)
+    trainer.compute_metrics = None
+    found["bare, loss only"] = sorted(trainer.evaluate(bare))
+    torch.manual_seed(0)
+    unnamed = Trainer(Targeted().double(), trainer_args(f"{out}/unnamed", per_device_eval_batch_size=2))
+    found["unnamed"] = (sorted(unnamed.evaluate(bare)), "eval_loss" in unnamed.evaluate(targeted(test)))
+    own = OwnLoss(Classifier().double(), trainer_args(f"{out}/own", per_device_eval_batch_size=2))
+    found["own loss"] = (sorted(own.evaluate(bare)), "eval_loss" in own.evaluate(test))  # called with labels only
+    runs = dict(max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2)
+    torch.manual_seed(0)
+    run = Trainer(Classifier().double(), trainer_args(f"{out}/run", **runs), classification_data(8),
+                  eval_dataset=bare)
+    run.train()
+    found["evaluations"] = [(e["step"], sorted(k for k in e if k.startswith("eval_")))
+                            for e in run.state.log_history if "eval_runtime" in e]
+    torch.manual_seed(0)
+    ranked = Trainer(Classifier().double(), trainer_args(f"{out}/best", save_strategy="steps", save_steps=1,
+                                                         load_best_model_at_end=True, **runs),
+                     classification_data(8), eval_dataset=bare)
+    try:
+        ranked.train()
+        found["best"] = "no error"
+    except ValueError as exc:
+        found["best"] = str(exc)
+    return found
+
+
+def test_a_set_without_labels_evaluates_without_a_loss_as_in_transformers(tmp_path):
+    """Transformers 5's evaluate on batches without labels returns the speed metrics alone: no eval_loss, and no
+    compute_metrics call (it needs labels); ranking checkpoints by the loss then fails (a KeyError there). ddpkit
+    raised "the model returned no scalar loss" at the first batch, on any world size."""
+    import transformers
+
+    hf = dict(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2, use_cpu=True, report_to="none",
+              disable_tqdm=True)
+    bare = [{"x": s["x"]} for s in classification_data(7, seed=2)]
+    torch.manual_seed(0)
+    theirs = transformers.Trainer(model=AsTuple().double(), args=transformers.TrainingArguments(**hf),
+                                  compute_metrics=accuracy).evaluate(bare)
+    assert sorted(k for k in theirs if k != "eval_model_preparation_time") == SPEED
+    args = transformers.TrainingArguments(**hf, max_steps=2, eval_strategy="steps", eval_steps=1, save_steps=1,
+                                          load_best_model_at_end=True)
+    with pytest.raises(KeyError, match="eval_loss"):
+        transformers.Trainer(model=Classifier().double(), args=args, train_dataset=classification_data(8),
+                             eval_dataset=bare).train()
+    for world_size in (1, 2):
+        for found in run_world(unlabelled_world, world_size=world_size, args=(str(tmp_path / f"{world_size}"),)):
+            assert found["bare"] == found["one"] == found["by position"] == found["bare, loss only"] == SPEED
+            assert found["calls"] == [7]  # the labelled set's alone, every sample of it on every rank
+            labelled = found["labelled"]
+            assert labelled["eval_accuracy"] >= 0 and "eval_accuracy" not in found["positional labels"]
+            assert found["positional labels"]["eval_loss"] == pytest.approx(labelled["eval_loss"], rel=1e-12)
+            # label_names empty: a mapping's labels go unseen by name, the model's loss (when it gives one) counts
+            assert found["unnamed"] == (SPEED, True)
+            assert found["own loss"] == (SPEED, True)
+            # each scheduled evaluation logged without a loss, and none again at the end (step 2 was evaluated)
+            assert found["evaluations"] == [(1, SPEED[1:]), (2, SPEED[1:])]
+            assert found["best"].startswith("metric_for_best_model is 'eval_loss', which the evaluation did not "
+                                            "give: eval_dataset gave no loss, its batches holding no labels "
+                                            "(label_names: ['labels'])"), found["best"]

@@ -3,11 +3,12 @@ compute_metrics gathered back into dataset order.
 
     indices = shard(len(dataset), world.rank, world.world_size, batch_size)
     part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, labels, samples)
-    metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)
+    metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)   # no eval_loss without labels
 
 Which keys of a batch are its labels is Transformers' rule: `label_names`, by default the model's forward
 parameters whose name holds "label" (label_names_of); a batch has labels when it holds every one of them
 (labels_named), and compute_metrics gets them as label_ids: one array, or a tuple of arrays for several names.
+As in Transformers' evaluation_loop, a set whose batches have none gets no loss and no compute_metrics call.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Part:
     by default there) leaves it out, unless every batch's is."""
 
     loss_sum: float = 0.0  # finite batch losses times their samples, in float64 as the sums over ranks are
-    samples: float = 0.0  # of the batches with a finite loss (predict's batches without labels have none)
+    samples: float = 0.0  # of the batches with a finite loss (batches without labels have none)
     bad_sum: float = 0.0  # the same for the batches whose loss is nan or inf
     bad_samples: float = 0.0
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -123,12 +124,12 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> P
 def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
                compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
                device: torch.device) -> dict[str, float]:
-    """{prefix}_loss over every rank's samples, and compute_metrics' results on them all (prefixed)."""
-    loss, _ = _loss_over_ranks(comm, part, prefix, device)
-    metrics = {f"{prefix}_loss": loss}
-    if compute_metrics is not None:
-        metrics.update(_prefixed(compute_metrics(gather_predictions(comm, part, indices)), prefix))
-    return metrics
+    """evaluate's metrics, as Transformers' evaluation_loop gives them: {prefix}_loss over every rank's samples
+    where some batch had a loss, compute_metrics' results (prefixed) where the batches had labels; for batches
+    without labels neither (the caller adds the speed). The predictions are gathered only for compute_metrics."""
+    if compute_metrics is None:
+        return _loss_metrics(comm, part, prefix, device)
+    return predictions_over_ranks(comm, part, indices, prefix, compute_metrics, device)[1]
 
 
 def predictions_over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
@@ -137,11 +138,17 @@ def predictions_over_ranks(comm: Comm, part: Part, indices: list[int], prefix: s
     """predict's: every rank's predictions in dataset order, on every rank; {prefix}_loss where some batch had
     labels; compute_metrics' results (prefixed) where there are labels to compare with."""
     prediction = gather_predictions(comm, part, indices)
-    loss, items = _loss_over_ranks(comm, part, prefix, device)
-    metrics = {f"{prefix}_loss": loss} if items else {}  # no batch had labels: no loss to report
+    metrics = _loss_metrics(comm, part, prefix, device)
+    # Whether there are labels is every rank's alike (gathered), so every rank calls compute_metrics or none does.
     if compute_metrics is not None and prediction.label_ids is not None:
         metrics.update(_prefixed(compute_metrics(prediction), prefix))
     return prediction, metrics
+
+
+def _loss_metrics(comm: Comm, part: Part, prefix: str, device: torch.device) -> dict[str, float]:
+    """{prefix}_loss, or nothing where no batch on any rank had a loss (no labels): one collective on every rank."""
+    loss, items = _loss_over_ranks(comm, part, prefix, device)
+    return {f"{prefix}_loss": loss} if items else {}
 
 
 def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) -> tuple[float, float]:

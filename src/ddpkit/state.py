@@ -11,7 +11,8 @@ import numpy as np
 
 class EvalPrediction(NamedTuple):
     """What compute_metrics receives: every evaluation sample once, in dataset order; label_ids are the batches'
-    label_names (a tuple of arrays for several names), None where they have none."""
+    label_names (a tuple of arrays for several names). The Trainer calls compute_metrics only where the batches
+    have labels, as Transformers does; label_ids is None only in an EvalPrediction made otherwise."""
 
     predictions: np.ndarray
     label_ids: np.ndarray | tuple[np.ndarray, ...] | None

@@ -4,6 +4,7 @@ ddpkit.trainer.Trainer, whose state it reads: args, world, comm, model, precisio
 label_names, the eval dataset and loader, its callbacks, saves and its log.
 
     trainer.evaluate()                                   # eval_loss, ...; a dict eval_dataset: eval_<name>_loss, ...
+    trainer.evaluate(unlabelled)                         # no eval_loss, no compute_metrics: eval_runtime, ...
     trainer.evaluate({"a": ds_a, "b": ds_b})             # each set alone, as Transformers' Trainer
 """
 
@@ -26,9 +27,10 @@ from .timeline import CHECKPOINT, EVALUATION
 class EvaluationMixin:
     def evaluate(self, eval_dataset: Dataset | Mapping[str, Dataset] | None = None,
                  ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank. A dict of
-        datasets is evaluated one set at a time, each with the prefix f"{metric_key_prefix}_{name}" and its own
-        log and on_evaluate; the merged metrics come back. ignore_keys: as predict's."""
+        """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank. Batches
+        without labels give neither, only the speed metrics, as Transformers'. A dict of datasets is evaluated one
+        set at a time, each with the prefix f"{metric_key_prefix}_{name}" and its own log and on_evaluate; the
+        merged metrics come back. ignore_keys: as predict's."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
@@ -52,7 +54,7 @@ class EvaluationMixin:
         predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
         _check_ignore_keys(ignore_keys)
         part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset",
-                                            functools.partial(self._evaluation_forward, loss_needed=False), True)
+                                            functools.partial(self._evaluation_forward, unnamed_labels=False), True)
         prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
                                                                 self.compute_metrics, self.world.device)
         self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
@@ -77,28 +79,43 @@ class EvaluationMixin:
         evaluation.add_speed(metrics, prefix, time.perf_counter() - start, samples,
                              self.args.per_device_eval_batch_size * self.world.world_size)
 
-    def _evaluation_forward(self, batch: Any, loss_needed: bool = True) -> evaluation.ForwardResult:
-        """One batch's (loss, outputs, labels, samples). As Transformers 5's prediction_step, the labels are the
-        batch's label_names (all of them, or none), and a model that takes num_items_in_batch gets this batch's own
-        count of "labels" other than -100 (shifted where its loss shifts them), so its loss is its summed loss over
-        that count: for a GPT2LMHeadModel (loss_type None, which counts unshifted labels but sums over shifted ones)
-        not the token mean, as in Transformers' eval_loss and in training's logged loss."""
+    def _evaluation_forward(self, batch: Any, unnamed_labels: bool = True) -> evaluation.ForwardResult:
+        """One batch's (loss, outputs, labels, samples), as Transformers 5's prediction_step: the labels are the
+        batch's label_names (all of them, or none); a batch that has them (or whose model returns its loss without
+        them: CLIP's) goes through compute_loss, one without them only through the model (a loss only if the model
+        gave one), so that a set without labels has no eval_loss, as there. unnamed_labels (evaluate's): a batch
+        whose labels no name finds (a list or tuple holds them by position; a mapping while label_names is empty)
+        goes through compute_loss too; where the default one finds no loss in the outputs, it has no labels."""
         inputs = self._prepare_inputs(batch)
         labels = evaluation.labels_named(inputs, self.label_names)
+        named = bool(self.label_names) and isinstance(inputs, Mapping)  # whether labels_named can tell
         with torch.no_grad(), self.precision.autocast():
-            if loss_needed or labels is not None or self._loss_without_labels(inputs):
-                count = None
-                if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
-                    # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
-                    count = torch.tensor(float(self.count_items(batch)), device=self.world.device)
-                # (only when there is one: a compute_loss override without the argument, as training calls it)
-                counted = {} if count is None else {"num_items_in_batch": count}
-                loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
-            else:  # predict on a batch without its labels: a loss only if the model gave one (positional labels)
+            if labels is not None or self._loss_without_labels(inputs):
+                loss, outputs = self._loss_and_outputs(batch, inputs)
+            elif unnamed_labels and not named:
+                try:
+                    loss, outputs = self._loss_and_outputs(batch, inputs)
+                except model_io.NoLoss as exc:  # raised after the forward, so outputs are the model's
+                    loss, outputs = None, exc.outputs
+            else:  # a batch without its labels (predict's also by position: the loss only if the model gave one)
                 outputs = model_io.call_model(self.model, inputs)
                 loss = model_io.carried_loss(outputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, labels, model_io.batch_len(inputs)
+
+    def _loss_and_outputs(self, batch: Any, inputs: Any) -> tuple[torch.Tensor, Any]:
+        """compute_loss's (loss, outputs). As Transformers 5's prediction_step, a model that takes
+        num_items_in_batch gets this batch's own count of "labels" other than -100 (shifted where its loss shifts
+        them), so its loss is its summed loss over that count: for a GPT2LMHeadModel (loss_type None, which counts
+        unshifted labels but sums over shifted ones) not the token mean, as in Transformers' eval_loss and in
+        training's logged loss."""
+        count = None
+        if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
+            # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
+            count = torch.tensor(float(self.count_items(batch)), device=self.world.device)
+        # (only when there is one: a compute_loss override without the argument, as training calls it)
+        counted = {} if count is None else {"num_items_in_batch": count}
+        return self.compute_loss(self.model, inputs, return_outputs=True, **counted)
 
     def _loss_without_labels(self, inputs: Any) -> bool:
         """Transformers' rule for a loss with no label_names at all: the batch's return_loss, else the model's
@@ -107,22 +124,24 @@ class EvaluationMixin:
         return not self.label_names and bool(self.can_return_loss if asked is None else asked)
 
     # -- what a training run schedules ----------------------------------------------------------------------------
-    def _eval_loss_key(self) -> str:
-        """The key of the (first) evaluation loss a scheduled evaluation logs: eval_<name>_loss for a dict."""
+    def _evaluation_key(self) -> str:
+        """A key every scheduled evaluation logs (the loss is not: a set without labels has none), the (first)
+        set's runtime: eval_<name>_runtime for a dict."""
         if isinstance(self.eval_dataset, Mapping) and self.eval_dataset:
-            return f"eval_{next(iter(self.eval_dataset))}_loss"
-        return "eval_loss"
+            return f"eval_{next(iter(self.eval_dataset))}_runtime"
+        return "eval_runtime"
 
     def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
         step = self.state.global_step
         moment = "step" if step_end else "final" if final else "epoch"
         evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
-                             self.state.save_steps, evaluated=self.state.logged_at(self._eval_loss_key(), step))
+                             self.state.save_steps, evaluated=self.state.logged_at(self._evaluation_key(), step))
         evaluate = evaluate or self.control.should_evaluate  # the control is agreed
         self.control.should_evaluate = False
         if evaluate and self.eval_dataset is not None:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
             if self.best is not None:
+                _check_best_metric(self.best.key, metrics, self.label_names)
                 self.best.note_evaluation(self.state, metrics)
             # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
             self._agreement.settle(self.control, f"after the evaluation of step {step}")
@@ -139,3 +158,19 @@ def _check_ignore_keys(ignore_keys: list[str] | None) -> None:
     if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
         raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
                          f"got {ignore_keys!r}")
+
+
+def _check_best_metric(key: str, metrics: Mapping[str, float], label_names: list[str]) -> None:
+    """Fail clearly where metric_for_best_model is missing because an evaluation set gave no loss: its batches had
+    no labels, so (as in Transformers) no loss and no compute_metrics. Every rank's metrics have the same keys, so
+    all raise alike. BestModel names the other reasons for a missing metric (a misspelt name, say)."""
+    sets = [k[:-len("_runtime")] for k in metrics if k.endswith("_runtime")]  # eval, or eval_<name> for a dict
+    unlabelled = [prefix for prefix in sets if f"{prefix}_loss" not in metrics]
+    if key in metrics or not unlabelled:
+        return
+    named = ", ".join("eval_dataset" if p == "eval" else f"eval_dataset[{p[len('eval_'):]!r}]" for p in unlabelled)
+    raise ValueError(f"metric_for_best_model is {key!r}, which the evaluation did not give: {named} gave no loss, "
+                     f"its batches holding no labels (label_names: {label_names}) and the model returning no loss, "
+                     "so, as in Transformers, there is no eval loss and compute_metrics was not called. Give the "
+                     "evaluation samples their labels (or set label_names to the keys that hold them), or rank no "
+                     "checkpoints (load_best_model_at_end=False, metric_for_best_model=None)")
