@@ -44,16 +44,6 @@ class CommObserver:
     run on the training step's path.
     """
 
-    # Whether `finished` must come as soon as an asynchronous collective completes, waited for or not: a callback
-    # on its Work's future, run on the backend's thread, which must take the GIL from the training step. When no
-    # observer of a Comm follows completion (the stall inspector does not), `finished` comes at the end of the
-    # collective's first wait instead, and never for an asynchronous one nobody waits for. Point-to-point
-    # collectives (gloo's reduce-scatter and all-gathers) have no future: theirs comes at their wait whatever this
-    # says. Observers without the attribute follow. What the callbacks cost, measured with the inspector on (2 gloo
-    # ranks, 40 interleaved rounds of 5 steps, medians): CPU per step 37.15 against 36.68 ms on the bench
-    # transformer (2 buckets), 24.26 against 23.96 on 500 small tensors; wall time within the noise (1-2%).
-    follows_completion = True
-
     def issued(self, record: CollectiveRecord) -> None:
         """`record` was numbered and is about to be launched (main thread)."""
 
@@ -69,9 +59,8 @@ class CommObserver:
 
     def finished(self, record: CollectiveRecord, error: BaseException | None) -> None:
         """`record` completed (`error` None) or failed. For an asynchronous collective this comes from the
-        backend's thread as soon as it completes (a callback on its Work's future), waited for or not, where an
-        observer follows completion (`follows_completion`); else, for a blocking one, a point-to-point one and a
-        comm hook's future, when the (first) wait returns. For one with a `record.device` (NCCL's),
+        backend's thread as soon as it completes (a callback on its Work's future), waited for or not; for a
+        blocking one, and a comm hook's future, when the wait returns. For one with a `record.device` (NCCL's),
         those moments are when it was enqueued, not when it completed."""
 
     def deferred(self, record: CollectiveRecord, completed: Callable[[], bool]) -> None:
@@ -90,7 +79,6 @@ class Pending:
     work: Any
     record: CollectiveRecord
     then: Callable[[], None] | None = None
-    heard: bool = False  # the observers hear (or heard) that it finished without a wait telling them
 
 
 @dataclasses.dataclass
@@ -166,13 +154,6 @@ class Observed:
             observer.issued(record)
         return record
 
-    def _pending(self, work: Any, record: CollectiveRecord) -> Pending:
-        """`work` in flight as a Pending, its completion followed if an observer follows completion."""
-        followed = any(getattr(observer, "follows_completion", True) for observer in self.observers)
-        if followed:
-            self._watch(work, record)
-        return Pending(work, record, heard=followed)
-
     def _watch(self, work: Any, record: CollectiveRecord) -> None:
         """Tell the observers when an asynchronous collective completes (only called when there are some)."""
         observers = tuple(self.observers)
@@ -226,11 +207,8 @@ class Observed:
         """Wait for an asynchronous collective: a `Pending` or an `Exchange` from `all_reduce(async_op=True)`
         and its kin, or a Future with the `record` of what it is (from `note`)."""
         if isinstance(pending, Pending):
-            try:
-                with self._blocking(pending.record, finishes=not pending.heard):
-                    pending.work.wait()
-            finally:
-                pending.heard = True  # told now, once: a second wait tells nothing more
+            with self._blocking(pending.record, finishes=False):
+                pending.work.wait()
             _complete(pending)
             return None
         if isinstance(pending, Exchange):

@@ -30,6 +30,7 @@ from .collective import (  # noqa: F401 - CollectiveRecord and CommObserver: par
     CommObserver,
     Exchange,
     Observed,
+    Pending,
     _as_bytes,
     _chunks,
     _DoneWork,
@@ -190,6 +191,11 @@ class Comm(Observed):
                                                                self.world_size))
         collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._pending(collective(output, input, group=self.group, async_op=True), record)
+
+    def _pending(self, work: Any, record: CollectiveRecord) -> Pending:
+        if self.observers:
+            self._watch(work, record)
+        return Pending(work, record)
 
     # gloo's reduce-scatter and all-gather are slower than point-to-point messages (ddpkit.pairwise: the plans
     # and the figures); NCCL keeps its native collectives.

@@ -100,12 +100,11 @@ class StallMonitor:
     it: the Comm is below the inspector, and knows it only as one of its observers.
     """
 
-    follows_completion = False  # hearing that a collective finished at its first wait is enough (CommObserver)
-
     def __init__(self, store: dist.Store, rank: int, world_size: int, threshold_s: float, prefix: str = "",
                  poll_s: float = POLL_S, exit_on_peer_failure: bool = True,
                  grace_s: float = PEER_FAILURE_GRACE_S):
-        self.rank, self.world_size = rank, world_size
+        self.rank = rank
+        self.world_size = world_size
         self.threshold_s = threshold_s
         self.board = Board(store, f"ddpkit/monitor/{prefix}", rank, world_size)  # what the ranks post (board.py)
         self.poll_s = poll_s
@@ -118,7 +117,8 @@ class StallMonitor:
         self.unfinished = Unfinished()  # waits that returned before their collective completed (NCCL's)
         self.device_wait: DeviceWait | None = None  # the oldest of them, once unfinished a poll after its wait
         self.issued_recent: collections.deque = collections.deque(maxlen=ISSUED_KEPT)
-        self.done_seq, self.done_what = 0, ""  # the last collective heard to have finished
+        self.done_seq = 0
+        self.done_what = ""
         self.diagnosis: tuple[int, str] | None = None  # (sequence number, explanation) of the current stall
         self.deadlock: str | None = None  # the report of a certain deadlock, once found
         self._published = 0
