@@ -272,6 +272,15 @@ def test_batches_of_different_lengths_are_padded_as_in_transformers(tmp_path):
 SPEED = ["epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"]
 
 
+class AlwaysLoss(Classifier):
+    """A model that returns a loss without its labels too (of its own making): Transformers' evaluate reports no
+    eval_loss for a batch without the label_names all the same."""
+
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        return {**out, "loss": out["logits"].square().mean() if labels is None else out["loss"]}
+
+
 class OwnLoss(Trainer):
     """A compute_loss that takes the labels itself (as in Transformers' docs): it needs them to be there."""
 
@@ -296,10 +305,16 @@ def unlabelled_world(world, out):
     trainer = Trainer(AsTuple().double(), trainer_args(f"{out}/eval", per_device_eval_batch_size=2),
                       compute_metrics=counted)
     found = {"bare": sorted(trainer.evaluate(bare)), "one": sorted(trainer.evaluate(bare[:1])),  # rank 1: none
-             "by position": sorted(trainer.evaluate([(s["x"],) for s in test])),
              "positional labels": trainer.evaluate([(s["x"], s["labels"]) for s in test]),
              "labelled": trainer.evaluate(test)}
     found["calls"] = list(calls)
+    try:  # labels by position: whether a tuple holds them, no name tells; the model must give its loss
+        trainer.evaluate([(s["x"],) for s in test])
+        found["by position"] = "no error"
+    except ValueError as exc:
+        found["by position"] = str(exc)
+    always = Trainer(AlwaysLoss().double(), trainer_args(f"{out}/always", per_device_eval_batch_size=2))
+    found["always"] = sorted(always.evaluate(bare))
     trainer.compute_metrics = None
     found["bare, loss only"] = sorted(trainer.evaluate(bare))
     torch.manual_seed(0)
@@ -321,8 +336,19 @@ def unlabelled_world(world, out):
     try:
         ranked.train()
         found["best"] = "no error"
-    except ValueError as exc:
-        found["best"] = str(exc)
+    except KeyError as exc:
+        found["best"] = exc.args[0]
+    found["best of two"] = {}
+    for metric in ("b_loss", "loss"):  # b's loss: b has no labels; eval_loss: no set of a dict has that name
+        torch.manual_seed(0)
+        two = Trainer(Classifier().double(), trainer_args(f"{out}/two-{metric}", save_strategy="steps", save_steps=1,
+                                                          load_best_model_at_end=True, metric_for_best_model=metric,
+                                                          **runs),
+                      classification_data(8), eval_dataset={"a": test, "b": bare})
+        try:
+            two.train()
+        except KeyError as exc:
+            found["best of two"][metric] = exc.args[0]
     return found
 
 
@@ -346,7 +372,8 @@ def test_a_set_without_labels_evaluates_without_a_loss_as_in_transformers(tmp_pa
                              eval_dataset=bare).train()
     for world_size in (1, 2):
         for found in run_world(unlabelled_world, world_size=world_size, args=(str(tmp_path / f"{world_size}"),)):
-            assert found["bare"] == found["one"] == found["by position"] == found["bare, loss only"] == SPEED
+            assert found["bare"] == found["one"] == found["bare, loss only"] == found["always"] == SPEED
+            assert found["by position"].startswith("the model returned no scalar loss"), found["by position"]
             assert found["calls"] == [7]  # the labelled set's alone, every sample of it on every rank
             labelled = found["labelled"]
             assert labelled["eval_accuracy"] >= 0 and "eval_accuracy" not in found["positional labels"]
@@ -359,3 +386,8 @@ def test_a_set_without_labels_evaluates_without_a_loss_as_in_transformers(tmp_pa
             assert found["best"].startswith("metric_for_best_model is 'eval_loss', which the evaluation did not "
                                             "give: eval_dataset gave no loss, its batches holding no labels "
                                             "(label_names: ['labels'])"), found["best"]
+            two = found["best of two"]
+            assert two["b_loss"].startswith("metric_for_best_model is 'eval_b_loss', which the evaluation did not "
+                                            "give: eval_dataset['b'] gave no loss"), two
+            assert "eval_dataset['b']" not in two["loss"] and "eval_loss" in two["loss"], two
+

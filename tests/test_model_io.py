@@ -67,17 +67,6 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_d
     assert model_io.accepts_loss_kwargs(Peft(Transformers())) and model_io.loss_shifts_labels(Peft(causal))
 
 
-def test_no_loss_is_a_value_error_that_keeps_the_outputs():
-    """An evaluation whose batches hold their labels by position takes the outputs of one whose model gave no
-    loss (the default compute_loss raises this) for a batch without labels, as Transformers' evaluate does."""
-    logits = torch.zeros(2, 3)
-    for outputs in ({"logits": logits}, {"loss": None, "logits": logits}, (logits, torch.zeros(2)), logits):
-        with pytest.raises(model_io.NoLoss, match="no scalar loss") as caught:
-            model_io.loss_of(outputs)
-        assert isinstance(caught.value, ValueError) and caught.value.outputs is outputs
-    assert model_io.loss_of({"loss": torch.tensor(0.5)}) == 0.5
-
-
 LENGTHS = [3, 9, 2, 12, 5, 7, 4, 10]  # 52 labels, 44 of them after the first of each row
 STEPS = dict(max_steps=2, learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, weight_decay=0.0,
              lr_scheduler_type="constant", seed=42)

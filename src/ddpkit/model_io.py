@@ -36,20 +36,11 @@ def _loss_field(outputs: Any, shortest_tuple: int) -> Any:
     return getattr(outputs, "loss", None)
 
 
-class NoLoss(ValueError):
-    """loss_of's error: the outputs hold no scalar loss. It keeps them, so that an evaluation that cannot tell
-    whether a batch has labels (they go by position) takes one whose model gave no loss for one without labels."""
-
-    def __init__(self, message: str, outputs: Any = None):
-        super().__init__(message)
-        self.outputs = outputs
-
-
 def loss_of(outputs: Any) -> torch.Tensor:
     loss = outputs if isinstance(outputs, torch.Tensor) else _loss_field(outputs, 1)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise NoLoss("the model returned no scalar loss: return a loss tensor, a dict with 'loss' or an object "
-                     "with .loss (give it the labels), or override Trainer.compute_loss", outputs)
+        raise ValueError("the model returned no scalar loss: return a loss tensor, a dict with 'loss' or an object "
+                         "with .loss (give it the labels), or override Trainer.compute_loss")
     return loss.reshape(())
 
 
@@ -146,5 +137,5 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-__all__ = ["IGNORE_INDEX", "NoLoss", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
+__all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
            "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "to_device"]

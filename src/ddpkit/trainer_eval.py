@@ -82,24 +82,21 @@ class EvaluationMixin:
     def _evaluation_forward(self, batch: Any, unnamed_labels: bool = True) -> evaluation.ForwardResult:
         """One batch's (loss, outputs, labels, samples), as Transformers 5's prediction_step: the labels are the
         batch's label_names (all of them, or none); a batch that has them (or whose model returns its loss without
-        them: CLIP's) goes through compute_loss, one without them only through the model (a loss only if the model
-        gave one), so that a set without labels has no eval_loss, as there. unnamed_labels (evaluate's): a batch
-        whose labels no name finds (a list or tuple holds them by position; a mapping while label_names is empty)
-        goes through compute_loss too; where the default one finds no loss in the outputs, it has no labels."""
+        them: CLIP's) goes through compute_loss, a mapping without them only through the model, with no loss, so
+        that a set without labels has no eval_loss, as there. Where no name can tell whether there are labels:
+        with label_names empty, the loss the model returned beside its predictions (a "loss" field, never a bare
+        tensor, which is the predictions); a list or tuple batch holds them by position, and goes through
+        compute_loss in evaluate (unnamed_labels), whose loss must be there, as in training (a model that forgot to
+        return it fails, rather than evaluating without a loss), in predict only through the model."""
         inputs = self._prepare_inputs(batch)
         labels = evaluation.labels_named(inputs, self.label_names)
-        named = bool(self.label_names) and isinstance(inputs, Mapping)  # whether labels_named can tell
+        mapping = isinstance(inputs, Mapping)
         with torch.no_grad(), self.precision.autocast():
-            if labels is not None or self._loss_without_labels(inputs):
+            if labels is not None or self._loss_without_labels(inputs) or (unnamed_labels and not mapping):
                 loss, outputs = self._loss_and_outputs(batch, inputs)
-            elif unnamed_labels and not named:
-                try:
-                    loss, outputs = self._loss_and_outputs(batch, inputs)
-                except model_io.NoLoss as exc:  # raised after the forward, so outputs are the model's
-                    loss, outputs = None, exc.outputs
-            else:  # a batch without its labels (predict's also by position: the loss only if the model gave one)
+            else:
                 outputs = model_io.call_model(self.model, inputs)
-                loss = model_io.carried_loss(outputs)
+                loss = None if mapping and self.label_names else model_io.carried_loss(outputs)
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, labels, model_io.batch_len(inputs)
 
@@ -124,6 +121,12 @@ class EvaluationMixin:
         return not self.label_names and bool(self.can_return_loss if asked is None else asked)
 
     # -- what a training run schedules ----------------------------------------------------------------------------
+    def _evaluation_sets(self) -> list[str]:
+        """The metric prefixes of the scheduled evaluation's sets: eval, or eval_<name> for each of a dict."""
+        if isinstance(self.eval_dataset, Mapping):
+            return [f"eval_{name}" for name in self.eval_dataset]
+        return ["eval"]
+
     def _evaluation_key(self) -> str:
         """A key every scheduled evaluation logs (the loss is not: a set without labels has none), the (first)
         set's runtime: eval_<name>_runtime for a dict."""
@@ -141,7 +144,7 @@ class EvaluationMixin:
         if evaluate and self.eval_dataset is not None:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
             if self.best is not None:
-                _check_best_metric(self.best.key, metrics, self.label_names)
+                _check_best_metric(self.best.key, metrics, self.label_names, self._evaluation_sets())
                 self.best.note_evaluation(self.state, metrics)
             # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
             self._agreement.settle(self.control, f"after the evaluation of step {step}")
@@ -160,17 +163,17 @@ def _check_ignore_keys(ignore_keys: list[str] | None) -> None:
                          f"got {ignore_keys!r}")
 
 
-def _check_best_metric(key: str, metrics: Mapping[str, float], label_names: list[str]) -> None:
-    """Fail clearly where metric_for_best_model is missing because an evaluation set gave no loss: its batches had
-    no labels, so (as in Transformers) no loss and no compute_metrics. Every rank's metrics have the same keys, so
-    all raise alike. BestModel names the other reasons for a missing metric (a misspelt name, say)."""
-    sets = [k[:-len("_runtime")] for k in metrics if k.endswith("_runtime")]  # eval, or eval_<name> for a dict
-    unlabelled = [prefix for prefix in sets if f"{prefix}_loss" not in metrics]
-    if key in metrics or not unlabelled:
-        return
-    named = ", ".join("eval_dataset" if p == "eval" else f"eval_dataset[{p[len('eval_'):]!r}]" for p in unlabelled)
-    raise ValueError(f"metric_for_best_model is {key!r}, which the evaluation did not give: {named} gave no loss, "
-                     f"its batches holding no labels (label_names: {label_names}) and the model returning no loss, "
-                     "so, as in Transformers, there is no eval loss and compute_metrics was not called. Give the "
-                     "evaluation samples their labels (or set label_names to the keys that hold them), or rank no "
-                     "checkpoints (load_best_model_at_end=False, metric_for_best_model=None)")
+def _check_best_metric(key: str, metrics: Mapping[str, float], label_names: list[str], sets: list[str]) -> None:
+    """Fail clearly where metric_for_best_model is an evaluation set's loss, which that set did not give: its
+    batches had no labels, so (as in Transformers) no loss and no compute_metrics. sets: the evaluation sets'
+    metric prefixes (eval, or eval_<name> for each set of a dict). Every rank's metrics have the same keys, so
+    all raise alike; any other missing metric is BestModel's to name (a misspelt name, say), with Transformers'
+    KeyError."""
+    unlabelled = [prefix for prefix in sets if key == f"{prefix}_loss" and key not in metrics]
+    if unlabelled:
+        name = "eval_dataset" if unlabelled[0] == "eval" else f"eval_dataset[{unlabelled[0][len('eval_'):]!r}]"
+        raise KeyError(f"metric_for_best_model is {key!r}, which the evaluation did not give: {name} gave no loss, its "
+                       f"batches holding no labels (label_names: {label_names}), so, as in Transformers, there is no "
+                       "loss and compute_metrics was not called. Give the evaluation samples their labels (or set "
+                       "label_names to the keys that hold them), or rank no checkpoints (load_best_model_at_end="
+                       "False, metric_for_best_model=None)")
