@@ -16,7 +16,7 @@ from ddpkit.args import TrainingArguments
 from ddpkit.best import BestModel
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.state import TrainerState
-from ddpkit.trainer import Trainer
+from ddpkit.trainer import Trainer, TrainerCallback
 
 
 def test_defaults_follow_transformers(tmp_path):
@@ -89,3 +89,39 @@ def test_the_best_checkpoint_is_kept_recorded_and_loaded_on_every_rank(tmp_path)
         assert resumed.endswith("again/checkpoint-4") and again == resumed
         assert all((a == b).all() for a, b in zip(again_params, best))
     assert all((a == b).all() for a, b in zip(results[0][4], results[1][4]))  # replicas alike
+
+
+class FinalWeights(TrainerCallback):
+    """The weights on_log sees with the final train metrics, and those on_train_end sees."""
+
+    def __init__(self):
+        self.at_log = self.at_end = None
+
+    def on_log(self, args, state, control, model=None, logs=None, **kwargs):
+        if "train_runtime" in logs:
+            self.at_log = params_of(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.at_end = params_of(model)
+
+
+def test_the_final_log_comes_before_the_best_model_is_loaded(tmp_path, local_world):
+    """Transformers 5's _finalize_training logs the train metrics (self.log, on_log) and then loads the best
+    checkpoint: on_log sees the weights the last step left, on_train_end and the caller the best ones. ddpkit
+    loaded the best model first, so on_log saw the best weights too."""
+    seen = FinalWeights()
+    torch.manual_seed(0)
+    args = trainer_args(tmp_path, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps", eval_steps=2,
+                        save_strategy="steps", save_steps=2, save_total_limit=2, load_best_model_at_end=True,
+                        metric_for_best_model="score")
+    trainer = Scripted(Classifier().double(), args, classification_data(24), classification_data(6, seed=1),
+                       callbacks=[seen])
+    trainer.train()
+    assert trainer.state.log_history[-1]["step"] == 8 and "train_runtime" in trainer.state.log_history[-1]
+    last, best = Classifier().double(), Classifier().double()
+    load_checkpoint(str(tmp_path / "checkpoint-8"), model=last)
+    load_checkpoint(str(tmp_path / "checkpoint-4"), model=best)
+    assert not all((a == b).all() for a, b in zip(params_of(last), params_of(best)))
+    assert all((a == b).all() for a, b in zip(seen.at_log, params_of(last)))  # the last step's
+    for weights in (seen.at_end, params_of(trainer.model)):
+        assert all((a == b).all() for a, b in zip(weights, params_of(best)))

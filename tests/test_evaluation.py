@@ -391,3 +391,16 @@ def test_a_set_without_labels_evaluates_without_a_loss_as_in_transformers(tmp_pa
                                             "give: eval_dataset['b'] gave no loss"), two
             assert "eval_dataset['b']" not in two["loss"] and "eval_loss" in two["loss"], two
 
+
+def test_the_speed_metrics_are_transformers_rounded_ones(monkeypatch):
+    """evaluate's and predict's speed metrics as Transformers' speed_metrics makes them: the runtime rounded to 4
+    decimals, the rates (from the unrounded runtime) to 3; 10 samples in batches of 4 on every rank are 3 steps."""
+    from transformers import trainer_utils
+
+    from ddpkit.evaluation import add_speed
+
+    monkeypatch.setattr(trainer_utils.time, "time", lambda: 101.23456789)
+    theirs = trainer_utils.speed_metrics("eval", 100.0, num_samples=10, num_steps=3)
+    mine = {}
+    add_speed(mine, "eval", 101.23456789 - 100.0, samples=10, global_batch=4)
+    assert mine == theirs and mine["eval_runtime"] == 1.2346

@@ -129,3 +129,39 @@ def test_metrics_jsonl_reads_as_the_runs_log_after_a_resume_and_keeps_other_runs
         assert len(f.readlines()) == 2
     Reporter(out, [], is_main=False).open([])  # other ranks touch nothing
     assert os.path.getsize(path) > 0
+
+
+_DIGITS = {"_runtime": 4, "_samples_per_second": 3, "_steps_per_second": 3}  # as Transformers' speed_metrics rounds
+
+
+def _rounded(metrics):
+    """The speed metrics among `metrics`, each with whether it is rounded as Transformers rounds it."""
+    return {k: v == round(v, d) for k, v in metrics.items() for suffix, d in _DIGITS.items() if k.endswith(suffix)}
+
+
+def test_speed_metrics_are_rounded_as_transformers_rounds_them(tmp_path, local_world, monkeypatch):
+    """Transformers' speed_metrics rounds <split>_runtime to 4 decimals and the rates, from the unrounded runtime,
+    to 3: train()'s final log, evaluate()'s and predict()'s metrics. ddpkit rounded none of them."""
+    from transformers import trainer_utils
+
+    from ddpkit.report import Progress
+
+    # The summary against Transformers' own, both clocks 1.23456789 s past their start.
+    monkeypatch.setattr(trainer_utils.time, "time", lambda: 101.23456789)
+    theirs = trainer_utils.speed_metrics("train", 100.0, num_samples=21, num_steps=7)
+    run = Progress(bar=None)
+    for _ in range(7):
+        run.step(3)
+    run.clock.elapsed = lambda: 101.23456789 - 100.0
+    assert {k: v for k, v in run.summary(0.5).items() if k in theirs} == theirs
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    args = trainer_args(tmp_path, max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=3)
+    trainer = Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1))
+    output = trainer.train()
+    train = dict.fromkeys(["train_runtime", "train_samples_per_second", "train_steps_per_second"], True)
+    assert _rounded(output.metrics) == _rounded(trainer.state.log_history[-1]) == train
+    evaluation = {k.replace("train", "eval"): True for k in train}
+    assert _rounded(trainer.state.log_history[-2]) == _rounded(trainer.evaluate()) == evaluation
+    test = {k.replace("train", "test"): True for k in train}
+    assert _rounded(trainer.predict(classification_data(5, seed=2)).metrics) == test

@@ -65,10 +65,11 @@ def labels_named(inputs: Any, names: Sequence[str]) -> Any:
 
 
 def add_speed(metrics: dict[str, float], prefix: str, runtime: float, samples: int, global_batch: int) -> None:
-    """Transformers' speed metrics; a step is one batch on every rank: ceil(samples / global_batch) of them."""
-    metrics[f"{prefix}_runtime"] = runtime
-    metrics[f"{prefix}_samples_per_second"] = samples / max(runtime, 1e-9)
-    metrics[f"{prefix}_steps_per_second"] = math.ceil(samples / global_batch) / max(runtime, 1e-9)
+    """Transformers' speed metrics, rounded as its speed_metrics rounds them (the runtime to 4 decimals, the rates,
+    from the unrounded runtime, to 3); a step is one batch on every rank: ceil(samples / global_batch) of them."""
+    metrics[f"{prefix}_runtime"] = round(runtime, 4)
+    metrics[f"{prefix}_samples_per_second"] = round(samples / max(runtime, 1e-9), 3)
+    metrics[f"{prefix}_steps_per_second"] = round(math.ceil(samples / global_batch) / max(runtime, 1e-9), 3)
 
 
 def shard(n: int, rank: int, world_size: int, batch_size: int = 1) -> list[int]:

@@ -123,9 +123,11 @@ class Progress:
         self.bar.step(f"loss={shown} samples/s={self.clock.rate():.0f}", logged)
 
     def summary(self, train_loss: float) -> dict[str, float]:
-        """The final log entry of a run (the Transformers names)."""
-        return {"train_runtime": self.clock.elapsed(), "train_samples_per_second": self.clock.rate(),
-                "train_steps_per_second": self.clock.steps_rate(), "train_loss": train_loss,
+        """The final log entry of a run (the Transformers names), its speed rounded as Transformers' speed_metrics
+        rounds it: the runtime to 4 decimals, the rates (from the unrounded runtime) to 3."""
+        return {"train_runtime": round(self.clock.elapsed(), 4),
+                "train_samples_per_second": round(self.clock.rate(), 3),
+                "train_steps_per_second": round(self.clock.steps_rate(), 3), "train_loss": train_loss,
                 "total_flos": 0.0}
 
 

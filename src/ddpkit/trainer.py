@@ -262,11 +262,11 @@ class Trainer(EvaluationMixin):
                 return TrainOutput(self.state.global_step, train_loss, metrics)
         self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
         resume.end_run(self.args.output_dir, self.world, choice, self.state.global_step)
-        step.wait_for_params(self.optimizer)  # stage 2's last all-gathers must not land on the loaded weights
-        self.saves.load_best(self.model, self.state)
+        step.wait_for_params(self.optimizer)  # stage 2's last all-gathers: in the logged weights, not over the best
         self.store_flos()
         metrics = {**run.summary(self._loss.train_loss(self.comm, self.world)), "total_flos": self.state.total_flos}
-        self.log(metrics)
+        self.log(metrics)  # before the best is loaded, as in Transformers: on_log sees the weights training left
+        self.saves.load_best(self.model, self.state)
         self._finish_reports()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
