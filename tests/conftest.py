@@ -18,6 +18,9 @@ the files that still import it from there.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import hashlib
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -28,10 +31,9 @@ import struct
 import subprocess
 import sys
 import time
-import zipfile
-import hashlib
-import io
 import traceback
+import zipfile
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -105,10 +107,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), env
               deadline_s: float = DEFAULT_DEADLINE_S, collective_timeout_s: float = 60.0,
               expect_errors: bool = False, backend: str = "gloo", start_method: str | None = None,
               stall_seconds: float | None = None) -> list[Any]:
-    """Results of `fn(world, *args)` on each rank, in rank order.
-
-    expect_errors=True returns the per-rank outcome instead of failing: ("ok", value) or ("error", text).
-    """
+    """Results of `fn(world, *args)` on each rank, in rank order. expect_errors=True returns the per-rank
+    outcome instead of failing: ("ok", value) or ("error", text)."""
     # fork starts a rank in a fraction of a second (torch is already imported); spawn is for CUDA.
     method = start_method or os.environ.get("DDPKIT_TEST_START_METHOD", "fork")
     ctx = mp.get_context(method)
@@ -344,15 +344,31 @@ def local_world():
 
 
 def communicate_all(procs: list, proc: subprocess.Popen, deadline_s: float) -> tuple[str, str]:
-    """proc's output once it ends; past the deadline, every process's output so far, in the failure (a launch
-    whose one node never ended said nothing of why, the other node's output included)."""
+    """proc's output once it ends; past the deadline, whether each process still runs (and what) and its output so
+    far, in the failure (a two-node launch that did not end once said nothing of which node, nor why)."""
     try:
         return proc.communicate(timeout=deadline_s)
     except subprocess.TimeoutExpired:
+        states = [_still_running(other) for other in procs]  # which one hung, and what it left running
         for other in procs:
             other.kill()
-        seen = "\n----\n".join(f"{out}\n{err}" for out, err in (other.communicate() for other in procs))
-        pytest.fail(f"did not end within {deadline_s} s; each process's output so far:\n{seen}")
+        seen = "\n----\n".join(f"[{state}]\n{out}\n{err}" for state, (out, err) in
+                                zip(states, (other.communicate() for other in procs)))
+        pytest.fail(f"did not end within {deadline_s} s; each process's state and output so far:\n{seen}")
+
+
+def _still_running(proc: subprocess.Popen) -> str:
+    """`proc`'s exit status, or that it still runs, with every process under it (pid and command line)."""
+    if proc.poll() is not None:
+        return f"pid {proc.pid} exited with {proc.returncode}"
+    found, queue = [], [proc.pid]
+    while queue:
+        pid = queue.pop()
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            found.append(f"{pid}: {f.read().replace(bytes(1), b' ').decode(errors='replace')[:160]}")
+            for task in os.listdir(f"/proc/{pid}/task"):
+                queue += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return "still running: " + "; ".join(found)
 
 
 def run_pair(tmp_path, text: str, deadline_s: float = 60) -> list[tuple[int, str, str, float]]:
