@@ -200,3 +200,55 @@ def test_the_schedules_and_their_kwargs_are_transformers(name, kwargs):
     theirs = rates(lambda opt: transformers.get_scheduler(name, opt, num_warmup_steps=3, num_training_steps=20,
                                                           scheduler_specific_kwargs=kwargs))
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+def clipped_world(world, out):
+    """A clip that engages (the default max_grad_norm, 1.0) at stages 0 and 1: the parameters, and every .grad a
+    callback reads before the step (after the clip); then optimizers= built outside the Trainer, stages 1 and 2."""
+    import ddpkit
+    from ddpkit.args import ArgumentError
+
+    class Grads(ddpkit.TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.seen.append([p.grad.detach().numpy().copy() for p in model.parameters()])
+
+    found = {}
+    for stage in (0, 1):
+        torch.manual_seed(0)
+        model, grads = Classifier().double(), Grads()
+        model.net[2].p = 0.0
+        args = trainer_args(f"{out}/{stage}", per_device_train_batch_size=2, max_steps=4, max_grad_norm=1.0,
+                            ddp_zero_stage=stage, weight_decay=0.1)
+        Trainer(model, args, classification_data(32), callbacks=[grads]).train()
+        found[stage] = (params_of(model), grads.seen)
+    refused = {}
+    for stage, make in ((1, torch.optim.AdamW), (2, torch.optim.AdamW),
+                        (2, lambda p: ddpkit.ZeroRedundancyOptimizer(p, torch.optim.AdamW)),
+                        (1, lambda p: ddpkit.ZeroRedundancyOptimizer(p, torch.optim.AdamW))):
+        model = Classifier().double()
+        try:
+            Trainer(model, trainer_args(f"{out}/given", ddp_zero_stage=stage), classification_data(30),
+                    optimizers=(make(model.parameters()), None))
+            refused[len(refused)] = "accepted"
+        except ArgumentError as exc:
+            refused[len(refused)] = str(exc)
+    return found, refused
+
+
+def test_stage_1_clips_as_stage_0_and_an_optimizer_built_outside_is_refused_under_zero(tmp_path):
+    """Stage 1's clip is torch's over every .grad (each rank holds them all, averaged): the parameters are stage 0's
+    bit for bit and a callback reads the same clipped .grad on every rank (the sharded clip scaled only each rank's
+    own slices). An optimizer passed as optimizers= trained unsharded at stage 1 without a word and failed at the
+    first backward at stage 2: refused when the Trainer is built, but a ZeroRedundancyOptimizer at stage 1."""
+    results = run_world(clipped_world, 2, args=(str(tmp_path),), deadline_s=150)
+    for (found, refused), (other, _) in zip(results, results[::-1]):
+        for a, b in zip(found[0][0], found[1][0]):
+            np.testing.assert_array_equal(a, b)
+        for step0, step1, theirs in zip(found[0][1], found[1][1], other[1][1]):
+            assert all((a == b).all() and (b == c).all() for a, b, c in zip(step0, step1, theirs))
+        assert all(refused[k].startswith(f"ddp_zero_stage: is {s}, which shards the optimizer the Trainer makes")
+                   for k, s in ((0, 1), (1, 2), (2, 2))), refused
+        assert refused[3] == "accepted", refused

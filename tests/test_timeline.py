@@ -149,7 +149,7 @@ def test_launch_flag_hands_the_request_to_the_workers(tmp_path):
 
 def test_training_argument(tmp_path):
     assert TrainingArguments(output_dir=str(tmp_path), ddp_timeline_steps="3:8").ddp_timeline_steps == "3:8"
-    for bad in ("8:3", "0:1", "x"):
+    for bad in ("8:3", "0:1", "x", 3):  # 3: not "A:B" (an int raised AttributeError on .split)
         with pytest.raises(ArgumentError, match="ddp_timeline_steps"):
             TrainingArguments(output_dir=str(tmp_path), ddp_timeline_steps=bad)
     (tmp_path / "timeline.json").mkdir()  # where the Trainer writes: refused on every rank, before any collective

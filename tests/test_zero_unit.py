@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,9 +24,10 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=False, head_only=False):
+def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=False, head_only=False, grads=False):
     """The norm the clip returns and the parameters after the clipped SGD step; poison: (parameter index,
-    element) made NaN in the averaged gradient, on every rank. typed: the norm as its dtype's name and value."""
+    element) made NaN in the averaged gradient, on every rank. typed: the norm as its dtype's name and value.
+    grads: every .grad after the clip instead."""
     import ddpkit
 
     torch.manual_seed(0)
@@ -45,6 +47,8 @@ def _clipped(world, stage, norm_type, poison=None, dtype=torch.float32, typed=Fa
         norm = torch.nn.utils.clip_grad_norm_(params, 0.01, norm_type=norm_type)
     else:
         norm = opt.clip_grad_norm_(0.01, norm_type=norm_type)
+    if grads:
+        return [p.grad.detach().numpy().copy() for p in module.parameters()]  # numpy: tensors cannot travel back
     opt.step()
     if stage == 2:
         opt.wait_for_params()
@@ -71,6 +75,7 @@ def clip_world(world):
     for stage in (0, 1, 2):  # bf16 and fp16 gradients: the norm in their dtype, as torch's returns it
         out[("bf16", stage)] = _clipped(world, stage, 2.0, dtype=torch.bfloat16, typed=True)
         out[("fp16", stage)] = _clipped(world, stage, 2.0, dtype=torch.float16, typed=True)
+    out["grads"] = (_clipped(world, 0, 2.0, grads=True), _clipped(world, 1, 2.0, grads=True))
     try:
         _clipped(world, 1, 0)
         out["zero"] = "no error"
@@ -80,7 +85,12 @@ def clip_world(world):
 
 
 def test_clip_grad_norm_over_shards_matches_torch_for_every_norm_and_a_nan():
-    for got in run_world(clip_world, 2, deadline_s=120):
+    results = run_world(clip_world, 2, deadline_s=120)
+    # Stage 1 scales every .grad (each rank holds them all, averaged), alike on every rank, as torch's clip does;
+    # it scaled only the rank's own slices, leaving .grad different on each rank and from stage 0's.
+    assert all((a == b).all() for a, b in zip(results[0]["grads"][1], results[1]["grads"][1]))
+    assert all(np.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(*results[0]["grads"]))
+    for got in results:
         for key, value in got.items():
             if isinstance(key, tuple) and key[0] not in ("nan", "bf16", "fp16"):
                 torch_norm, sharded_norm, param_error = value

@@ -15,6 +15,7 @@ from torch import nn
 
 from .args import ArgumentError, TrainingArguments
 from .validation import SCHEDULERS, parse_optim_args
+from .zero import ZeroRedundancyOptimizer
 from .zero_trainer import apply_zero
 
 
@@ -49,6 +50,21 @@ def no_decay(model: nn.Module) -> set[int]:
     shape (CLIP's 0-dim logit_scale is decayed)."""
     skipped = {id(p) for module in model.modules() if isinstance(module, nn.LayerNorm) for p in module.parameters()}
     return skipped | {id(p) for name, p in model.named_parameters() if NO_DECAY_NAME.search(name.lower())}
+
+
+def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world_size: int) -> tuple[Any, Any]:
+    """Trainer(optimizers=(optimizer, scheduler)) as given, checked against ddp_zero_stage, which shards the
+    optimizer the Trainer makes: one the caller built would train unsharded at stage 1 without a word, and at
+    stage 2 (whose wrapper keeps only this rank's shard of the gradients, no .grad) fail at the first backward."""
+    optimizer, stage = optimizers[0], args.ddp_zero_stage if world_size > 1 else 0
+    if optimizer is None or stage == 0 or (stage == 1 and isinstance(optimizer, ZeroRedundancyOptimizer)):
+        return optimizers
+    raise ArgumentError("ddp_zero_stage", f"is {stage}, which shards the optimizer the Trainer makes, but "
+                        f"Trainer(optimizers=...) gave a {type(optimizer).__name__} built outside it: leave the "
+                        "optimizer None (args.optim is made and sharded), or override Trainer.create_optimizer, "
+                        "which runs once the model is wrapped, to build a ddpkit.ZeroRedundancyOptimizer on "
+                        "self.model.parameters()" + (", or pass such an optimizer" if stage == 1 else "") +
+                        ", or set ddp_zero_stage=0")
 
 
 def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int = 1) -> torch.optim.Optimizer:

@@ -100,7 +100,7 @@ class Trainer(EvaluationMixin):
                                 "pass one, or set eval_strategy to 'no'")
         self.data_collator = data_collator or default_data_collator  # Transformers' default_data_collator's rules
         self.compute_metrics = compute_metrics
-        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer, self.lr_scheduler = optim.given_optimizers(optimizers, args, self.world.world_size)
         self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
         self.state = self._new_state()
         self.reporter = Reporter(args.output_dir, args.reporters, is_main=self.world.is_main)

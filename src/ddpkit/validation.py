@@ -180,7 +180,7 @@ def _validate_ddp(args: Any, need: Callable[[bool, str, str], None]) -> None:
     need(args.ddp_stall_seconds is None or 0 <= args.ddp_stall_seconds < args.ddp_timeout, "ddp_stall_seconds",
          "must be >= 0 and below ddp_timeout (it explains a stall before the timeout ends it)")
     need(args.ddp_replica_check_steps >= 0, "ddp_replica_check_steps", "must be >= 0 (0: never)")
-    steps = (args.ddp_timeline_steps or "1:1").split(":")
+    steps = (args.ddp_timeline_steps or "1:1").split(":") if isinstance(args.ddp_timeline_steps or "", str) else []
     need(len(steps) == 2 and all(s.strip().isdigit() and int(s) >= 1 for s in steps) and int(steps[0]) <= int(
         steps[1]), "ddp_timeline_steps", "must be A:B with 1 <= A <= B (optimizer steps, both included)")
     need(args.ddp_zero_stage in (0, 1, 2) and not isinstance(args.ddp_zero_stage, bool), "ddp_zero_stage",

@@ -257,11 +257,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, computed from the shards.
 
         Each rank takes the norm of the gradient elements its optimizer reads, the ranks combine them (a sum of
-        p-th powers; for +-inf the largest or smallest, a NaN kept) and each rank scales its shard: 1/N of the
-        work, one number each of communication. Only the shard is scaled; the rest of each .grad is left as it
-        was, since this rank's step never reads it. Returns the total norm (the same on every rank)."""
+        p-th powers; for +-inf the largest or smallest, a NaN kept): 1/N of the work, one number each of
+        communication. At stage 2 each rank scales its shards (all it holds); at stage 1 every .grad, which every
+        rank holds averaged, so that they stay alike on every rank. The norm may differ from torch's in its last
+        bit (a sum over pieces, where torch takes the norm of each tensor's norm). Returns the total norm (the same
+        on every rank)."""
         self._ensure_built()
-        return clip_shards_(self.units, self.comm, max_norm, norm_type)
+        return clip_shards_(self.units, self.comm, max_norm, norm_type, whole=self.grad_shards is None)
 
     # -- torch's Joinable: Join([model, optimizer]) for uneven inputs ---------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:

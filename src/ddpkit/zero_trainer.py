@@ -3,7 +3,7 @@ function per way, in the manner of torchtitan's parallelize functions:
 
     ddp_kwargs = zero_ddp_kwargs(stage)                      # what DistributedDataParallel adds for the stage
     optimizer = apply_zero(groups, stage, torch.optim.AdamW, lr=...)   # the optimizer the stage needs
-    norm = clip_grad_norm(optimizer, params, max_norm)       # global norm: over the shards when sharded
+    norm = clip_grad_norm(optimizer, params, max_norm)       # global norm: over the shards at stage 2
     grads = step_gradients(optimizer)                        # what this rank's step reads (fp16 unscales them)
 """
 
@@ -31,8 +31,11 @@ def apply_zero(groups: list[dict[str, Any]], stage: int, optimizer_class: type[t
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_, or its sharded form when the optimizer shards (stage 2 leaves no .grad)."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    """torch.nn.utils.clip_grad_norm_, or its sharded form at stage 2 (which leaves no .grad). At stage 1 every
+    rank holds every averaged .grad, so torch's own clips them: the same bits as stage 0 (the sharded norm sums
+    the pieces' squares, torch takes the norm of each tensor's norm, and the two differ in the last bit), and
+    every .grad clipped alike on every rank, for a callback that reads them before the step."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.grad_shards is not None:
         return float(optimizer.clip_grad_norm_(max_norm))
     with_grad = [p for p in params if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(with_grad, max_norm).item() if with_grad else 0.0

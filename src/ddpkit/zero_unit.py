@@ -222,8 +222,11 @@ def step_units(optim: torch.optim.Optimizer, units: list[Unit], stage_2: bool, o
     return started, None
 
 
-def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would."""
+def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: float = 2.0,
+                 whole: bool = False) -> torch.Tensor:
+    """The global gradient norm from every rank's shard, and each shard scaled as torch's clip would; whole
+    (stage 1, where every rank holds every averaged .grad): every .grad of the units' parameters scaled instead,
+    alike on every rank."""
     norm_type = float(norm_type)
     if norm_type == 0:  # torch's counts the gradients that are not all zero: a piece cannot tell for its tensor
         raise ValueError("clip_grad_norm_ over shards takes a norm_type other than 0 (torch's 0-norm counts the "
@@ -256,6 +259,8 @@ def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: floa
     # torch's formula: scale by max_norm / (norm + 1e-6), never up.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
+    if whole:
+        grads = list({id(p.grad): p.grad for unit in units for p in unit.params if p.grad is not None}.values())
     for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     for (grad_device, dtype), same in by_kind.items():
