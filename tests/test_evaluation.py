@@ -281,6 +281,14 @@ class AlwaysLoss(Classifier):
         return {**out, "loss": out["logits"].square().mean() if labels is None else out["loss"]}
 
 
+class AlwaysLossTuple(AlwaysLoss):
+    """The same as a (loss, logits) tuple, Transformers' return_dict=False order."""
+
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        return out["loss"], out["logits"]
+
+
 class OwnLoss(Trainer):
     """A compute_loss that takes the labels itself (as in Transformers' docs): it needs them to be there."""
 
@@ -315,6 +323,8 @@ def unlabelled_world(world, out):
         found["by position"] = str(exc)
     always = Trainer(AlwaysLoss().double(), trainer_args(f"{out}/always", per_device_eval_batch_size=2))
     found["always"] = sorted(always.evaluate(bare))
+    always = Trainer(AlwaysLossTuple().double(), trainer_args(f"{out}/tuple", per_device_eval_batch_size=2))
+    found["tuple"] = (sorted(always.evaluate(bare)), always.predict(bare).predictions.shape)  # the logits, not the loss
     trainer.compute_metrics = None
     found["bare, loss only"] = sorted(trainer.evaluate(bare))
     torch.manual_seed(0)
@@ -374,6 +384,7 @@ def test_a_set_without_labels_evaluates_without_a_loss_as_in_transformers(tmp_pa
         for found in run_world(unlabelled_world, world_size=world_size, args=(str(tmp_path / f"{world_size}"),)):
             assert found["bare"] == found["one"] == found["bare, loss only"] == found["always"] == SPEED
             assert found["by position"].startswith("the model returned no scalar loss"), found["by position"]
+            assert found["tuple"] == (SPEED, (7, 3)), found["tuple"]
             assert found["calls"] == [7]  # the labelled set's alone, every sample of it on every rank
             labelled = found["labelled"]
             assert labelled["eval_accuracy"] >= 0 and "eval_accuracy" not in found["positional labels"]

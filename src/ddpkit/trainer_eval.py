@@ -96,7 +96,9 @@ class EvaluationMixin:
                 loss, outputs = self._loss_and_outputs(batch, inputs)
             else:
                 outputs = model_io.call_model(self.model, inputs)
-                loss = None if mapping and self.label_names else model_io.carried_loss(outputs)
+                loss = model_io.carried_loss(outputs)
+                if loss is not None and mapping and self.label_names:  # no labels, no loss; the logits stay found
+                    loss, outputs = None, tuple(outputs[1:]) if isinstance(outputs, (list, tuple)) else outputs
         self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
         return loss, outputs, labels, model_io.batch_len(inputs)
 
