@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 class TrainingLoop:
     def __init__(self, trainer: Trainer, sampler: Any, progress: Progress):
         self.trainer, self.sampler, self.progress = trainer, sampler, progress
-        # the last step's (grad_norm, learning_rate), for an epoch's log: a resumed run's is its checkpoint's
-        self.last: tuple[float, ...] | None = tuple(trainer.state.last_step_log) or None
 
     def run(self, sampler_state: dict | None) -> None:
         """Epochs until max_steps, the plan's epochs (one a callback ended early counts, as in Transformers), a stop
@@ -56,9 +54,10 @@ class TrainingLoop:
             t._agreement.settle(t.control, "epoch end")
             # logging_strategy "epoch" (or a callback's should_log): the loss since the last log, before the
             # epoch's evaluation, as Transformers logs, evaluates and saves; never twice for one step.
-            if (t.args.logging_strategy == "epoch" or t.control.should_log) and self.last is not None and \
+            # The last step's grad_norm and learning rate (state.last_step_log: a resumed run's is its checkpoint's)
+            if (t.args.logging_strategy == "epoch" or t.control.should_log) and t.state.last_step_log and \
                     not t.state.logged_at("loss", t.state.global_step):
-                self.log_loss(*self.last)
+                self.log_loss(*t.state.last_step_log)
             t.control.should_log = False
             t._maybe_evaluate_and_save(self.sampler, step_end=False)
             if not ended:
@@ -142,8 +141,7 @@ class TrainingLoop:
         by_steps = args.logging_strategy == "steps" and (step % t.state.logging_steps == 0 or step == t.state.max_steps)
         logging = by_steps or (step == 1 and args.logging_first_step) or t.control.should_log
         t.control.should_log = False
-        self.last = (grad_norm, learning_rate)
-        t.state.last_step_log = list(self.last)
+        t.state.last_step_log = [grad_norm, learning_rate]
         if logging:
             self.log_loss(grad_norm, learning_rate)
         run.show(t.state.last_logged("loss"), logged=logging)

@@ -4,6 +4,7 @@
     saves.exists(step)                                   # rank 0's view, on every rank
     folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
     saves.load_best(model, state)                        # load_best_model_at_end
+    saves.write_final_state(state)                       # output_dir/trainer_state.json, Transformers' fields
     save_model(model, output_dir, args.to_dict())        # Trainer.save_model's files, on rank 0
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
@@ -51,6 +52,13 @@ class Saves:
         best_model_checkpoint goes through it)."""
         aside = checkpoint.aside_name(path, self.run)
         return aside if self.run is not None and not self._ours(path) and os.path.isdir(aside) else path
+
+    def write_final_state(self, state: Any) -> None:
+        """output_dir/trainer_state.json at the end of training, from rank 0: Transformers' half of `state.split`,
+        as a checkpoint's (nothing resumes from this one, so ddpkit's half is not written)."""
+        if self.world.is_main:
+            checkpoint.write_json(os.path.join(self.output_dir, checkpoint.TRAINER_STATE_FILE),
+                                  state.split(self.per_device_train_batch_size)[0])
 
     def save(self, state: Any, *, model: Any, optimizer: Any, scheduler: Any, sampler_state: dict,
              scaler: Any = None, rng: bool = True) -> str:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint, evaluation, model_io, optim, resume, runs, saves, step
+from . import evaluation, model_io, optim, resume, runs, saves, step
 from .best import BestModel
 from .collator import default_data_collator, without_unused_columns
 from .saves import Saves
@@ -387,9 +387,7 @@ class Trainer(EvaluationMixin):
     def _finish_reports(self) -> None:
         self._fire("on_train_end")
         self.reporter.close(self.state.log_history)
-        if self.world.is_main:
-            checkpoint.write_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_FILE),
-                                  self.state.split(self.args.per_device_train_batch_size)[0])  # Transformers'
+        self.saves.write_final_state(self.state)
 
 
 def _data_seed(args: TrainingArguments) -> int:

@@ -132,9 +132,7 @@ class EvaluationMixin:
     def _evaluation_key(self) -> str:
         """A key every scheduled evaluation logs (the loss is not: a set without labels has none), the (first)
         set's runtime: eval_<name>_runtime for a dict."""
-        if isinstance(self.eval_dataset, Mapping) and self.eval_dataset:
-            return f"eval_{next(iter(self.eval_dataset))}_runtime"
-        return "eval_runtime"
+        return f"{(self._evaluation_sets() or ['eval'])[0]}_runtime"
 
     def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
         step = self.state.global_step

@@ -258,10 +258,10 @@ def clip_shards_(units: list[Unit], comm: Comm, max_norm: float, norm_type: floa
     total = total.to(exact if units else torch.float32)
     # torch's formula: scale by max_norm / (norm + 1e-6), never up.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scaled = list({id(p.grad): p.grad for unit in units for p in unit.params if p.grad is not None}.values()) \
+        if whole else grads  # each tensor once (tied parameters share one)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
-    if whole:
-        grads = list({id(p.grad): p.grad for unit in units for p in unit.params if p.grad is not None}.values())
-    for grad in grads:
+    for grad in scaled:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     for (grad_device, dtype), same in by_kind.items():
         torch._foreach_mul_(same, coef.to(grad_device, dtype))
