@@ -56,7 +56,7 @@ from .comm import Comm, gather_objects
 from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
                         write_failure, write_failures)
-from .rng import rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
+from .rng import numpy_allowed, rng_state, set_rng_state  # noqa: F401 - set_rng_state: part of this module's API
 from .weights import load_weights_file, save_weights_file
 from .zero_checkpoint import foreign_state, is_sharded, read_into, shard_files, shard_index, stage_shards
 
@@ -350,7 +350,8 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     rng = None
     if os.path.isfile(rng_file):
         try:
-            rng = _load_tensors(rng_file, "cpu")
+            with numpy_allowed():
+                rng = _load_tensors(rng_file, "cpu")
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{rng_file} cannot be read: {type(exc).__name__}: {exc}") from exc
     saved_world = len([n for n in os.listdir(path) if re.match(r"^rng_state_\d+\.pth$", n)])

@@ -1,13 +1,16 @@
 """Every random generator a training step may draw from, saved and restored (checkpoint.py stores one per rank).
 
-    state = rng_state()        # in types torch.load(weights_only=True) accepts
+    state = rng_state()        # Transformers' layout: what its Trainer saves in rng_state_<rank>.pth and resumes
     set_rng_state(state)       # right before training goes on
+    with numpy_allowed(): torch.load(path, weights_only=True)   # numpy's state inside, as Transformers loads it
     set_seed(42)               # python, numpy and torch seeded alike (the Trainer's args.seed)
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,19 +25,31 @@ def set_seed(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random state, in types torch.load(weights_only=True) accepts (no numpy objects)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "cpu": torch.get_rng_state(),
-    }
+    """This process's random state, laid out as Transformers' Trainer saves it, so that each can resume from the
+    other's rng_state_<rank>.pth: numpy's as np.random.get_state() gives it (torch.load(weights_only=True) takes
+    it inside `numpy_allowed`, as Transformers' Trainer loads it)."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # This process's own GPU only: a resume may see fewer GPUs than the save did (set_rng_state_all would
         # index past them), and the others' generators are other ranks' to keep.
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+@contextlib.contextmanager
+def numpy_allowed() -> Iterator[None]:
+    """torch.load(weights_only=True) taking the numpy objects of numpy's random state (an array and its dtype),
+    nothing else beyond its defaults. torch before 2.5 has no scoped allowlist: there they are allowed for good."""
+    core = getattr(np, "_core", None) or np.core
+    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is None:
+        torch.serialization.add_safe_globals(allow)
+        yield
+        return
+    with scoped(allow):
+        yield
 
 
 def set_rng_state(state: dict[str, Any] | None) -> None:
@@ -44,8 +59,10 @@ def set_rng_state(state: dict[str, Any] | None) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
+    if isinstance(np_state, dict):  # an earlier ddpkit saved it as tensors and numbers
+        np_state = (np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                    np_state["has_gauss"], np_state["gauss"])
+    np.random.set_state(tuple(np_state))
     torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]
@@ -56,4 +73,4 @@ def set_rng_state(state: dict[str, Any] | None) -> None:
             torch.cuda.set_rng_state(saved.cpu())
 
 
-__all__ = ["rng_state", "set_rng_state", "set_seed"]
+__all__ = ["numpy_allowed", "rng_state", "set_rng_state", "set_seed"]
