@@ -31,6 +31,7 @@ import pytest
 
 from conftest import clean_env
 from ddpkit.checkpoint import checkpoint_step, list_checkpoints
+from ddpkit.procfs import stat_fields
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2"]
@@ -161,16 +162,34 @@ def reference_hash(tmp_path_factory):
         yield hash_of_the_end
 
 
-def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash):
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc: children, theirs, ...)."""
+    parents = {int(n): fields[1] for n in os.listdir("/proc") if n.isdigit() and (fields := stat_fields(int(n)))}
+    found, below = [], [pid]
+    while below:
+        parent = str(below.pop())
+        children = [child for child, ppid in parents.items() if ppid == parent]
+        found += children
+        below += children
+    return found
+
+
+@pytest.mark.parametrize("whom", ["launcher", "job"])
+def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash, whom):
+    """The launcher alone is signalled, as Kubernetes signals a pod's first process, or every process of the job,
+    as SLURM signals a job step's cgroup (the ranks' data loader workers too)."""
     out = tmp_path / "run"
     # 0.5 s per step: the run would take 12 s, so the stop lands long before the end however late we read. Data
-    # loader workers: the launcher's SIGTERM reaches each rank's process group, which they must not be in (a
-    # worker killed by it made its rank's next batch raise, and no checkpoint was written).
+    # loader workers: the launcher's SIGTERM reaches each rank's process group, which they must not be in, and a
+    # SIGTERM of their own must not end them (a worker killed by it made its rank's next batch raise, and no
+    # checkpoint was written).
     with launched("--shutdown-timeout", str(GRACE_S), out=out,
                   script_args=("--sleep_per_step", "0.5", "--dataloader_num_workers", "2")) as job:
         job.wait_for(r"^\[rank0\]: LOGGED step \d+$")
         sent = time.monotonic()
-        job.proc.send_signal(signal.SIGTERM)  # the launcher only, as SLURM or Kubernetes would signal it
+        for pid in [job.proc.pid, *(_descendants(job.proc.pid) if whom == "job" else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         rc = job.finish(GRACE_S + 30)
         stopped_in = time.monotonic() - sent
         output = job.output

@@ -255,3 +255,37 @@ def test_a_rank_with_loader_workers_exits_when_it_raises(tmp_path):
     """))
     done = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "the step failed" in done.stderr, done.stderr
+
+
+def test_a_loader_worker_signalled_by_another_than_its_rank_goes_on(tmp_path):
+    """SLURM signals every process of a job step: a worker's own SIGTERM or SIGINT from anyone but its rank is
+    the rank's to act on (its stop, one checkpoint). It killed the worker, and the rank's next batch raised. The
+    rank's own SIGTERM still ends it: at exit, multiprocessing's ends the persistent workers and waits for them."""
+    script = tmp_path / "signalled.py"
+    script.write_text(textwrap.dedent("""
+        import functools, os, subprocess, time
+        import torch
+        from ddpkit.window import spared_by_the_stop
+
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self):
+                return 6
+
+            def __getitem__(self, i):
+                time.sleep(0.2)
+                return i
+
+        loader = torch.utils.data.DataLoader(Slow(), num_workers=2, persistent_workers=True,
+                                             worker_init_fn=functools.partial(spared_by_the_stop, rank=os.getpid()))
+        batches = iter(loader)
+        got = [next(batches)]
+        for worker in batches._workers:  # from another process: the rank's own SIGTERM ends them
+            subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+            subprocess.run(["kill", "-INT", str(worker.pid)], check=True)
+        time.sleep(0.5)
+        got += list(batches)
+        print("GOT", sorted(int(b) for b in got), flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "GOT [0, 1, 2, 3, 4, 5]" in done.stdout, done.stderr
+

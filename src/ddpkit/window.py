@@ -83,21 +83,40 @@ def spared_by_the_stop(worker_id: int, rank: int) -> None:
     are the rank's to handle, and the worker lives exactly as long as the rank. A SIGTERM that is not its parent's
     kills a loader worker (torch's handler); its rank's next batch then raises, and the stop's checkpoint is never
     written. So the worker leaves its rank's process group, which a launcher stops with killpg (as do `timeout`
-    and a terminal's Ctrl-C); torch's handler still ends it for its rank's own SIGTERM (the loader's shutdown).
-    Out of the group, a SIGKILL of the group no longer reaches it: on Linux the kernel kills it when the rank dies
-    (PR_SET_PDEATHSIG; the Trainer makes its iterators on the main thread), also while it is blocked reading a
-    sample, where torch's own watch of its parent never looks. A worker that is not the rank's child (a
-    forkserver's, Python 3.14's default) keeps torch's defaults: its parent, in the rank's group, dies with it.
-    A signal sent to every process of the job (SLURM with cgroups) still ends the workers."""
+    and a terminal's Ctrl-C), and takes a SIGTERM or SIGINT sent to it alone (SLURM signals every process of a job
+    step) for what it is: the rank's to act on (`_only_the_ranks_sigterm`). Out of the group, a SIGKILL of the
+    group no longer reaches it: on Linux the kernel kills it when the rank dies (PR_SET_PDEATHSIG; the Trainer
+    makes its iterators on the main thread), also while it is blocked reading a sample, where torch's own watch of
+    its parent never looks. A worker that is not the rank's child (a forkserver's, Python 3.14's default) keeps
+    torch's defaults: its parent, in the rank's group, dies with it."""
     if os.getppid() != rank:
         return
     os.setpgid(0, 0)
+    _only_the_ranks_sigterm(rank)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: torch's watch of its parent, between samples
         return
     if os.getppid() != rank:  # the rank died before the kernel could be told
         os._exit(1)
+
+
+def _only_the_ranks_sigterm(rank: int) -> None:
+    """In a loader worker: SIGTERM ends it when its rank sends it, as torch's handler does (the loader's shutdown,
+    multiprocessing's at the rank's exit, which waits for it), and is ignored from anyone else; so is SIGINT, which
+    no rank sends its workers. SIGTERM is blocked in every thread (the worker's only thread now; those it starts
+    later inherit the mask) and taken by one thread that reads who sent it, which a handler cannot tell."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # not Linux: torch's handler stays
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def take() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=take, name="ddpkit-sigterm", daemon=True).start()
 
 
 class StopRequest:
