@@ -260,10 +260,11 @@ def test_a_rank_with_loader_workers_exits_when_it_raises(tmp_path):
 def test_a_loader_worker_signalled_by_another_than_its_rank_goes_on(tmp_path):
     """SLURM signals every process of a job step: a worker's own SIGTERM or SIGINT from anyone but its rank is
     the rank's to act on (its stop, one checkpoint). It killed the worker, and the rank's next batch raised. The
-    rank's own SIGTERM still ends it: at exit, multiprocessing's ends the persistent workers and waits for them."""
+    rank's own SIGTERM still ends it: at exit, multiprocessing's ends the persistent workers and waits for them.
+    A process the worker forks gets the usual handling back."""
     script = tmp_path / "signalled.py"
     script.write_text(textwrap.dedent("""
-        import functools, os, subprocess, time
+        import functools, os, signal, subprocess, time
         import torch
         from ddpkit.window import spared_by_the_stop
 
@@ -273,7 +274,11 @@ def test_a_loader_worker_signalled_by_another_than_its_rank_goes_on(tmp_path):
 
             def __getitem__(self, i):
                 time.sleep(0.2)
-                return i
+                child = os.fork()  # a process the worker forks has SIGTERM and SIGINT back
+                if child == 0:
+                    os._exit(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []) or
+                             signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+                return -1 if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) else i
 
         loader = torch.utils.data.DataLoader(Slow(), num_workers=2, persistent_workers=True,
                                              worker_init_fn=functools.partial(spared_by_the_stop, rank=os.getpid()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -105,8 +106,11 @@ def _only_the_ranks_sigterm(rank: int) -> None:
     """In a loader worker: SIGTERM ends it when its rank sends it, as torch's handler does (the loader's shutdown,
     multiprocessing's at the rank's exit, which waits for it), and is ignored from anyone else; so is SIGINT, which
     no rank sends its workers. SIGTERM is blocked in every thread (the worker's only thread now; those it starts
-    later inherit the mask) and taken by one thread that reads who sent it, which a handler cannot tell."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    later inherit the mask) and taken by one thread that reads who sent it, which a handler cannot tell. A process
+    the worker forks (multiprocessing, os.fork) gets torch's SIGTERM and Python's SIGINT handling back; one that
+    subprocess starts without a preexec_fn inherits both (its kill() works, not terminate())."""
+    int_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.register_at_fork(after_in_child=functools.partial(_handled_again, int_handler))
     if not hasattr(signal, "sigwaitinfo"):  # not Linux: torch's handler stays
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -117,6 +121,13 @@ def _only_the_ranks_sigterm(rank: int) -> None:
         os._exit(0)
 
     threading.Thread(target=take, name="ddpkit-sigterm", daemon=True).start()
+
+
+def _handled_again(int_handler: Any) -> None:
+    """In a process a loader worker forks: SIGTERM and SIGINT as the worker had them before ddpkit's changes."""
+    signal.signal(signal.SIGINT, int_handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class StopRequest:
