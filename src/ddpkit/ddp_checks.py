@@ -201,7 +201,8 @@ def check_replicas(module: nn.Module, comm: Comm, what: str) -> None:
 def check_comm_hook(hook: Any) -> None:
     """torch's checks of a comm hook, with its exception types: callable, and where annotated (with objects:
     a string annotation, from `from __future__ import annotations`, is taken on trust), a GradBucket in and a
-    Future of a tensor out."""
+    Future of a tensor out. Not torch's refusal of its bf16_compress_hook on a build without CUDA 11+ and NCCL
+    2.10+ (a TypeError on every CPU-only torch): the hook averages correctly on gloo too, and is taken."""
     import inspect
 
     if not callable(hook):
