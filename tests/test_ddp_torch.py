@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conftest import run_world
@@ -250,3 +252,66 @@ def output_kinds(world):
 
 def test_what_the_forward_returns_does_not_change_which_backwards_synchronise():
     assert run_world(output_kinds, 2, deadline_s=60) == [True, True]
+
+
+def _raised(build) -> str:
+    """The type and message build() raised, or "" when it returned."""
+    try:
+        build()
+    except Exception as exc:  # noqa: BLE001 - compared between the two wrappers
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _warned(build) -> list[type]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [w.category for w in caught if "buffers" in str(w.message) or "static_graph" in str(w.message)]
+
+
+def construction_surface(world):
+    """What torch's own test suite (distributed_test.py) checks of construction and _set_static_graph, ours
+    against torch's: each entry (ours, theirs)."""
+    import ddpkit
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    out = {}
+    for kwargs in ({}, {"broadcast_buffers": True}, {"broadcast_buffers": False}, {"forward_sync_buffers": False},
+                   {"broadcast_buffers": False, "forward_sync_buffers": True}):
+        out[f"warnings {kwargs}"] = tuple(_warned(lambda cls=cls: cls(Net(), **kwargs))
+                                          for cls in (ddpkit.DistributedDataParallel, TorchDDP))
+    ours, theirs = _pair(Net)
+    out["static graph set twice"] = tuple(_warned(ddp._set_static_graph) + _warned(ddp._set_static_graph)
+                                          for ddp in (ours, theirs))
+    ours, theirs = _pair(Net)
+    for ddp in (ours, theirs):
+        ddp(_x(world, 0)).sum().backward()
+    out["static graph after training"] = tuple(_raised(ddp._set_static_graph).split(":")[0] for ddp in (ours, theirs))
+    mesh = init_device_mesh("cpu", (world.world_size,))
+    out["device_mesh kept"] = tuple(cls(Net(), device_mesh=mesh).device_mesh is mesh
+                                    for cls in (ddpkit.DistributedDataParallel, TorchDDP))
+    both = dist.group.WORLD
+    out["process_group and device_mesh"] = tuple(
+        _raised(lambda cls=cls: cls(Net(), process_group=both, device_mesh=mesh)).startswith(
+            "RuntimeError: Cannot specify both process_group and device_mesh arguments")
+        for cls in (ddpkit.DistributedDataParallel, TorchDDP))
+    out["SyncBatchNorm on the CPU"] = tuple(
+        _raised(lambda cls=cls: cls(nn.Sequential(nn.Linear(6, 8), nn.SyncBatchNorm(8)))).startswith(
+            "ValueError: SyncBatchNorm layers only work with GPU modules") for cls in (ddpkit.DistributedDataParallel,
+                                                                                       TorchDDP))
+    return out
+
+
+def test_construction_warnings_and_errors_are_torchs():
+    """Found by running torch's own DDP tests with ours swapped in: broadcast_buffers alone gave no FutureWarning,
+    _set_static_graph after training raised nothing, device_mesh was not kept and SyncBatchNorm on the CPU was
+    taken (its forward failed later)."""
+    for rank, got in enumerate(run_world(construction_surface, 2, deadline_s=90, collective_timeout_s=30)):
+        differ = {k: v for k, v in got.items() if v[0] != v[1]}
+        assert not differ, (rank, differ)
+        assert got["static graph after training"] == ("RuntimeError", "RuntimeError")
+        assert got["device_mesh kept"] == got["process_group and device_mesh"] == (True, True)
+        assert got["SyncBatchNorm on the CPU"] == (True, True)
+        assert got["warnings {'broadcast_buffers': False}"] == ([FutureWarning], [FutureWarning])

@@ -85,7 +85,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.process_group = process_group
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # torch's wrapper has the attribute only when given one
         self.zero_stage = check_zero_stage(zero_stage)  # ddpkit's: 2 shards the gradients (ddpkit.zero_grads)
+        checks.no_sync_batchnorm_on_cpu(module, named)
         self._build_engine(init_sync, sync_buffers_at_init)
 
     def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -316,10 +319,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
             return
         self.reducer.register_comm_hook(state, hook)
-
-    def _set_static_graph(self) -> None:
-        """Accepted for compatibility (accelerate calls it): ddpkit learns the graph in the first iteration."""
-        self.static_graph = True
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> contextlib.AbstractContextManager:

@@ -26,10 +26,11 @@ def process_group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) 
     if device_mesh is None:
         return process_group
     if process_group is not None:
-        raise RuntimeError("pass either process_group or device_mesh to DistributedDataParallel, not both")
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments: pass one of them to "
+                           "DistributedDataParallel")
     if device_mesh.ndim != 1:
-        raise RuntimeError(f"DistributedDataParallel takes a 1-D device mesh, got {device_mesh}; pass the "
-                           "data-parallel dimension, e.g. mesh['dp']")
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}: pass the data-parallel "
+                           "dimension, e.g. mesh['dp']")
     if device_mesh._get_root_mesh() != device_mesh:
         raise NotImplementedError("ddpkit's DistributedDataParallel does not combine with tensor parallelism "
                                   "(a mesh sliced out of a larger one); use torch.nn.parallel's wrapper there")
@@ -116,14 +117,25 @@ def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
     forward_sync_buffers, when given, decides the broadcast at each forward and buffers are always synced at
     construction; otherwise the deprecated broadcast_buffers (default True) decides both.
     """
+    if broadcast_buffers is not None:  # torch 2.13 warns whenever it is given
+        warnings.warn("both broadcast_buffers and forward_sync_buffers were given to DistributedDataParallel; "
+                      "broadcast_buffers is deprecated and ignored when forward_sync_buffers is given"
+                      if forward_sync_buffers is not None else
+                      "broadcast_buffers is deprecated: use forward_sync_buffers. Unlike broadcast_buffers=False, "
+                      "forward_sync_buffers=False still broadcasts rank 0's buffers at construction; keep "
+                      "broadcast_buffers=False where buffers must stay rank-local", FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
-        if broadcast_buffers is not None:
-            warnings.warn("both broadcast_buffers and forward_sync_buffers were given to DistributedDataParallel; "
-                          "broadcast_buffers is deprecated and ignored when forward_sync_buffers is given",
-                          FutureWarning, stacklevel=3)
         return bool(forward_sync_buffers), True
     forward = True if broadcast_buffers is None else bool(broadcast_buffers)
     return forward, forward
+
+
+def no_sync_batchnorm_on_cpu(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    """torch's refusal, with its type and words: SyncBatchNorm needs a GPU module."""
+    on_cpu = (named[0][1].device.type if named else "cpu") == "cpu"
+    if on_cpu and any(isinstance(layer, nn.SyncBatchNorm) for layer in module.modules()):
+        raise ValueError("SyncBatchNorm layers only work with GPU modules: move the module to its GPU before "
+                         "wrapping it, or use BatchNorm on the CPU")
 
 
 def bucket_cap(bucket_cap_mb: float | None) -> float:

@@ -10,6 +10,7 @@ fields (INHERITED). tests/test_ddp_surface.py walks torch's class and fails on a
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -116,6 +117,17 @@ class TorchSurface:
         if window is not None and window.open:
             raise RuntimeError("the last backward pass through DistributedDataParallel did not finish reducing "
                                "its gradients (it raised before its end?); run a complete backward pass")
+
+    def _set_static_graph(self) -> None:
+        """Accepted for compatibility (accelerate calls it): ddpkit learns the graph in the first iteration.
+        torch's checks: once only (a warning), and before the first training forward (a RuntimeError)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer is not None and (self.reducer.armed or self.reducer.windows):
+            raise RuntimeError("set_static_graph() should be called before training loop starts and after "
+                               "DistributedDataParallel is constructed.")
+        self.static_graph = True
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Accepted for compatibility; ddpkit records no runtime statistics, so the rate changes nothing."""

@@ -30,10 +30,12 @@ def apply_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> DistributedDataParallel:
+    """ddp_broadcast_buffers as torch 2.13's forward_sync_buffers (broadcast_buffers is deprecated there): rank
+    0's buffers at each training forward or not, and at construction always (the ranks built the same model)."""
     cuda = world.device.type == "cuda"
     return DistributedDataParallel(model, device_ids=[world.device.index] if cuda else None,
                                    find_unused_parameters=args.find_unused_parameters,
-                                   broadcast_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
+                                   forward_sync_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
                                    **zero_ddp_kwargs(args.ddp_zero_stage))
 
 
