@@ -27,8 +27,6 @@ remove_unused_columns (collator.py), the shapes of batches and outputs (model_io
 
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -55,7 +53,8 @@ from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
 from .trainer_eval import EvaluationMixin
-from .window import StopRequest, Window, spared_by_the_stop
+from .loader_workers import SparedLoader
+from .window import StopRequest, Window
 from .wrap import prepare_model
 
 get_scheduler = optim.get_scheduler
@@ -145,11 +144,9 @@ class Trainer(EvaluationMixin):
                             torch.Generator().manual_seed(_data_seed(self.args)))
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
-        workers = self.args.dataloader_num_workers  # out of the stop's signals (window.spared_by_the_stop)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
-                          num_workers=workers, generator=generator,
-                          worker_init_fn=functools.partial(spared_by_the_stop, rank=os.getpid()) if workers else None,
-                          **kw)
+        # Its workers are out of the stop's way (ddpkit.loader_workers).
+        return SparedLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
+                            num_workers=self.args.dataloader_num_workers, generator=generator, **kw)
 
     def _collate(self) -> Callable:
         """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""

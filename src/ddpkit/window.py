@@ -13,9 +13,7 @@ gradient all-reduces still match and uneven data never hangs.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import os
 import signal
 import sys
@@ -26,9 +24,6 @@ from typing import Any
 
 from .comm import Comm, sum_over_ranks
 from .env import DistEnv
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
 
 @dataclasses.dataclass
 class Window:
@@ -77,57 +72,6 @@ def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
     """The sum over the ranks of their loss shares, in its own all-reduce (before a log or a checkpoint) but laid
     out as agree_on_window lays it out, so that the sum's rounding is the same whichever of the two computed it."""
     return sum_over_ranks(comm, _layout(world, loss=loss), what, world.device)[3]
-
-
-def spared_by_the_stop(worker_id: int, rank: int) -> None:
-    """A DataLoader worker_init_fn (functools.partial(spared_by_the_stop, rank=os.getpid())): the stop's signals
-    are the rank's to handle, and the worker lives exactly as long as the rank. A SIGTERM that is not its parent's
-    kills a loader worker (torch's handler); its rank's next batch then raises, and the stop's checkpoint is never
-    written. So the worker leaves its rank's process group, which a launcher stops with killpg (as do `timeout`
-    and a terminal's Ctrl-C), and takes a SIGTERM or SIGINT sent to it alone (SLURM signals every process of a job
-    step) for what it is: the rank's to act on (`_only_the_ranks_sigterm`). Out of the group, a SIGKILL of the
-    group no longer reaches it: on Linux the kernel kills it when the rank dies (PR_SET_PDEATHSIG; the Trainer
-    makes its iterators on the main thread), also while it is blocked reading a sample, where torch's own watch of
-    its parent never looks. A worker that is not the rank's child (a forkserver's, Python 3.14's default) keeps
-    torch's defaults: its parent, in the rank's group, dies with it."""
-    if os.getppid() != rank:
-        return
-    os.setpgid(0, 0)
-    _only_the_ranks_sigterm(rank)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: torch's watch of its parent, between samples
-        return
-    if os.getppid() != rank:  # the rank died before the kernel could be told
-        os._exit(1)
-
-
-def _only_the_ranks_sigterm(rank: int) -> None:
-    """In a loader worker: SIGTERM ends it when its rank sends it, as torch's handler does (the loader's shutdown,
-    multiprocessing's at the rank's exit, which waits for it), and is ignored from anyone else; so is SIGINT, which
-    no rank sends its workers. SIGTERM is blocked in every thread (the worker's only thread now; those it starts
-    later inherit the mask) and taken by one thread that reads who sent it, which a handler cannot tell. A process
-    the worker forks (multiprocessing, os.fork) gets torch's SIGTERM and Python's SIGINT handling back; one that
-    subprocess starts without a preexec_fn inherits both (its kill() works, not terminate())."""
-    int_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.register_at_fork(after_in_child=functools.partial(_handled_again, int_handler))
-    if not hasattr(signal, "sigwaitinfo"):  # not Linux: torch's handler stays
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-    def take() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
-            pass
-        os._exit(0)
-
-    threading.Thread(target=take, name="ddpkit-sigterm", daemon=True).start()
-
-
-def _handled_again(int_handler: Any) -> None:
-    """In a process a loader worker forks: SIGTERM and SIGINT as the worker had them before ddpkit's changes."""
-    signal.signal(signal.SIGINT, int_handler)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class StopRequest:
