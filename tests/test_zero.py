@@ -342,6 +342,13 @@ def surface_checks(world):
                        ({"optimizer_class": torch.optim.SGD, "overlap_with_ddp": True}, "zero_stage=2")):
         with pytest.raises(ValueError, match=match):
             ddpkit.ZeroRedundancyOptimizer(models.make("mlp").parameters(), lr=0.1, **bad)
+    sparse = torch.nn.Parameter(torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([1.0, 2.0]), (8,)))
+    with pytest.raises(ValueError, match="dense parameters"):  # torch's type (a RuntimeError from deep inside)
+        ddpkit.ZeroRedundancyOptimizer([torch.ones(1, requires_grad=True), sparse], torch.optim.SGD, lr=0.1)
+    opt = ddpkit.ZeroRedundancyOptimizer([torch.ones(1, requires_grad=True)], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="dense parameters"):
+        opt.add_param_group({"params": [sparse]})
+    assert len(opt.param_groups) == len(opt.optim.param_groups) == 1
     return out
 
 

@@ -159,6 +159,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise NotImplementedError("add_param_group under zero_stage=2 is not supported: pass every param "
                                       "group to the constructor")
         super().add_param_group(param_group)
+        sparse = next((p for p in self.param_groups[-1]["params"] if p.layout != torch.strided), None)
+        if sparse is not None:  # torch's type; its flat slices would be of no storage
+            self.param_groups.pop()
+            raise ValueError(f"ZeroRedundancyOptimizer only supports dense parameters, got a {sparse.layout} one "
+                             f"of shape {tuple(sparse.shape)}: step it with an optimizer of its own")
         self._consolidated = None  # gathered for fewer groups: consolidate again
         if self._built:
             self.optim.add_param_group(self._shard_group(len(self.param_groups) - 1))
