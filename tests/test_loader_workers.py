@@ -127,12 +127,26 @@ def test_a_loader_worker_signalled_by_another_than_its_rank_goes_on(tmp_path):
     assert done.returncode == 0 and "GOT [0, 1, 2, 3, 4, 5]" in done.stdout, (done.stdout, done.stderr)
 
 
+class _Tagged:
+    tag = 0
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.tag * 100 + i
+
+
+def _tag(worker_id):
+    from torch.utils.data import get_worker_info
+
+    get_worker_info().dataset.tag = 1
+
+
 def test_workers_are_born_with_sigterm_blocked():
     """From its fork to its worker_init_fn (15-20 ms) a worker had torch's handler, and an outside SIGTERM then
     killed it: workers are forked with SIGTERM blocked in the forking thread (which the rank gets back)."""
     import multiprocessing.context as mp_context
-
-    import torch
 
     from ddpkit.loader_workers import SparedLoader
 
@@ -146,8 +160,9 @@ def test_workers_are_born_with_sigterm_blocked():
     class Context(mp_context.ForkContext):
         Process = Recording
 
-    loader = SparedLoader(torch.arange(8), batch_size=4, num_workers=2, multiprocessing_context=Context())
-    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    loader = SparedLoader(_Tagged(), batch_size=4, num_workers=2, multiprocessing_context=Context(),
+                          worker_init_fn=_tag)  # the caller's worker_init_fn runs too, after ddpkit's
+    assert [b.tolist() for b in loader] == [[100, 101, 102, 103], [104, 105, 106, 107]]
     assert masks == [True, True]
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 

@@ -41,13 +41,13 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class SparedLoader(DataLoader):
-    """A DataLoader whose workers (num_workers > 0) are spared by the stop (`spared_by_the_stop`, as their
-    worker_init_fn) and start with SIGTERM blocked."""
+    """A DataLoader whose workers (num_workers > 0) are spared by the stop (`spared_by_the_stop` runs first in
+    each, then the worker_init_fn given, if any) and start with SIGTERM blocked."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self.num_workers > 0:
-            self.worker_init_fn = functools.partial(spared_by_the_stop, rank=os.getpid())
+            self.worker_init_fn = functools.partial(_spared_then, rank=os.getpid(), then=self.worker_init_fn)
 
     def __iter__(self):
         if self.num_workers == 0 or not hasattr(signal, "pthread_sigmask"):
@@ -75,6 +75,12 @@ def spared_by_the_stop(worker_id: int, rank: int) -> None:
         return
     if os.getppid() != rank:  # the rank died before the kernel could be told
         os._exit(1)
+
+
+def _spared_then(worker_id: int, rank: int, then: Any) -> None:
+    spared_by_the_stop(worker_id, rank)
+    if then is not None:
+        then(worker_id)
 
 
 def _only_the_ranks_sigterm(rank: int) -> None:
