@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -285,10 +286,27 @@ def construction_surface(world):
     ours, theirs = _pair(Net)
     out["static graph set twice"] = tuple(_warned(ddp._set_static_graph) + _warned(ddp._set_static_graph)
                                           for ddp in (ours, theirs))
-    ours, theirs = _pair(Net)
-    for ddp in (ours, theirs):
-        ddp(_x(world, 0)).sum().backward()
-    out["static graph after training"] = tuple(_raised(ddp._set_static_graph).split(":")[0] for ddp in (ours, theirs))
+    def no_sync_step(ddp):
+        with ddp.no_sync():
+            ddp(_x(world, 0)).sum().backward()
+
+    # torch's rule: _set_static_graph raises after a forward with grad that asked to synchronise (its reducer
+    # counts them), whatever happened next; torch's flag is set all the same
+    for label, run in (("training", lambda ddp: ddp(_x(world, 0)).sum().backward()),
+                       ("a forward", lambda ddp: ddp(_x(world, 0))),
+                       ("an eval-mode forward", lambda ddp: ddp.eval()(_x(world, 0))),
+                       ("a no_sync step", no_sync_step),
+                       ("a forward without grad", lambda ddp: torch.no_grad()(ddp)(_x(world, 0)))):
+        pair = _pair(Net)
+        for ddp in pair:
+            run(ddp)
+        out[f"static graph after {label}"] = tuple((_raised(ddp._set_static_graph).split(":")[0], ddp.static_graph)
+                                                   for ddp in pair)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ddp in _pair(Net, find_unused_parameters=True):
+            ddp._set_static_graph()
+    out["static graph with find_unused_parameters"] = len([w for w in caught if "find_unused" in str(w.message)])
     mesh = init_device_mesh("cpu", (world.world_size,))
     out["device_mesh kept"] = tuple(cls(Net(), device_mesh=mesh).device_mesh is mesh
                                     for cls in (ddpkit.DistributedDataParallel, TorchDDP))
@@ -304,14 +322,18 @@ def construction_surface(world):
     return out
 
 
-def test_construction_warnings_and_errors_are_torchs():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_construction_warnings_and_errors_are_torchs(world_size):
     """Found by running torch's own DDP tests with ours swapped in: broadcast_buffers alone gave no FutureWarning,
-    _set_static_graph after training raised nothing, device_mesh was not kept and SyncBatchNorm on the CPU was
-    taken (its forward failed later)."""
-    for rank, got in enumerate(run_world(construction_surface, 2, deadline_s=90, collective_timeout_s=30)):
-        differ = {k: v for k, v in got.items() if v[0] != v[1]}
+    _set_static_graph after training raised nothing (and then by torch's rule only: after a forward with grad
+    that synchronises, also in a world of one), device_mesh was not kept and SyncBatchNorm on the CPU was taken
+    (its forward failed later)."""
+    for rank, got in enumerate(run_world(construction_surface, world_size, deadline_s=90, collective_timeout_s=30)):
+        differ = {k: v for k, v in got.items() if isinstance(v, tuple) and v[0] != v[1]}
         assert not differ, (rank, differ)
-        assert got["static graph after training"] == ("RuntimeError", "RuntimeError")
+        assert got["static graph after training"] == (("RuntimeError", True),) * 2
+        assert got["static graph after a no_sync step"] == (("", True),) * 2
+        assert got["static graph with find_unused_parameters"] == 2
         assert got["device_mesh kept"] == got["process_group and device_mesh"] == (True, True)
         assert got["SyncBatchNorm on the CPU"] == (True, True)
         assert got["warnings {'broadcast_buffers': False}"] == ([FutureWarning], [FutureWarning])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import types
+import warnings
+import zipfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -70,3 +73,32 @@ def test_the_gpu_state_is_this_devices_and_old_lists_are_read(monkeypatch):
         restored.clear()
         set_rng_state({**base, "cuda": saved})
         assert restored == expected, (saved, restored)
+
+
+def _renamed(src, dst, old: bytes, new: bytes) -> None:
+    """A torch.save file with `old` renamed `new` in its pickle (the same archive otherwise)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            zout.writestr(item, data.replace(old, new) if item.filename.endswith("data.pkl") else data)
+
+
+def test_files_of_numpy_1_and_2_load_under_either(tmp_path, monkeypatch):
+    """numpy 2 pickles numpy's state under numpy._core, numpy 1 under numpy.core: a file either wrote loads under
+    this numpy, and under a numpy 1 whose numpy._core is a stub without multiarray (1.26's: taking the module by
+    attribute failed every load there)."""
+    torch.save(rng_state(), tmp_path / "two.pth")
+    _renamed(tmp_path / "two.pth", tmp_path / "one.pth", b"numpy._core.multiarray", b"numpy.core.multiarray")
+    drawn = _draw()
+    for name in ("two.pth", "one.pth"):
+        with numpy_allowed():
+            set_rng_state(torch.load(tmp_path / name, weights_only=True))
+        assert _draw() == drawn, name
+    monkeypatch.setattr(np, "__version__", "1.26.4")
+    monkeypatch.setattr(np, "_core", types.ModuleType("numpy._core"), raising=False)
+    for name in ("two.pth", "one.pth"):
+        with warnings.catch_warnings(), numpy_allowed():
+            warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2's numpy.core, where first imported
+            set_rng_state(torch.load(tmp_path / name, weights_only=True))
+        assert _draw() == drawn, name
+

@@ -109,3 +109,35 @@ def test_a_compiled_trainer_on_two_ranks_matches_the_eager_one_and_saves_plain_w
         for x, t in zip(params_of(fresh), run["params"]):
             np.testing.assert_array_equal(x, t)
     assert not eager["compiled"]
+
+
+def buffers_at_wrapping(world):
+    """Rank-local BatchNorm statistics after the Trainer's wrap, per ddp_broadcast_buffers, and its warnings."""
+    import types
+    import warnings
+
+    from torch import nn
+
+    from ddpkit.args import TrainingArguments
+    from ddpkit.wrap import apply_ddp
+
+    out = {}
+    for label, kw in (("default", {}), ("gradient checkpointing", {"gradient_checkpointing": True}),
+                      ("False", {"ddp_broadcast_buffers": False})):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        with torch.no_grad():
+            model[1].running_mean.fill_(float(world.rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply_ddp(model, TrainingArguments(output_dir="unused", **kw), types.SimpleNamespace(device=world.device))
+        out[label] = (model[1].running_mean[0].item(), [str(w.message) for w in caught if "buffers" in str(w.message)])
+    return out
+
+
+def test_ddp_broadcast_buffers_false_keeps_rank_local_buffers_at_wrapping_as_transformers_does():
+    """Transformers' Trainer passes ddp_broadcast_buffers to torch's wrapper as broadcast_buffers: False (also the
+    default under gradient checkpointing) keeps each rank's buffers at construction. Passed as
+    forward_sync_buffers (to avoid torch 2.13's deprecation warning) rank 0's overwrote them."""
+    zero, one = run_world(buffers_at_wrapping, 2, deadline_s=90)
+    assert zero == {"default": (0.0, []), "gradient checkpointing": (0.0, []), "False": (0.0, [])}
+    assert one == {"default": (0.0, []), "gradient checkpointing": (1.0, []), "False": (1.0, [])}

@@ -98,6 +98,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         """Everything tied to the process group: built at construction and again when unpickled (with
         init_sync=False then: loading must not need the other ranks, as with torch's wrapper)."""
         self._comm = Comm.for_group(self.process_group)
+        self._training_forwards = 0  # with grad and require_backward_grad_sync (_set_static_graph's check)
         self.reducer: Reducer | None = None
         self._join_config = _JoinConfig.construct_disabled_join_config()  # a Join context sets it (ddpkit.join)
         self._join_divide_by_initial_world_size = True
@@ -224,6 +225,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = move_to(inputs, device), move_to(kwargs, device)
+        self._training_forwards += torch.is_grad_enabled() and self.require_backward_grad_sync
         if not torch.is_grad_enabled() or self.reducer is None:
             # torch's rule, grad or not: the forward after a synchronised one takes rank 0's buffers, so an
             # evaluation after training runs on the statistics every rank shares (to evaluate on one rank only,

@@ -124,10 +124,15 @@ class TorchSurface:
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        if self.reducer is not None and (self.reducer.armed or self.reducer.windows):
+        self.static_graph = True  # torch's is set before its reducer raises
+        if self._training_forwards:  # forwards with grad and synchronisation asked, torch's reducer's iterations
             raise RuntimeError("set_static_graph() should be called before training loop starts and after "
                                "DistributedDataParallel is constructed.")
-        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+                          "will detect unused parameters automatically, so you do not need to set "
+                          "find_unused_parameters=true, just be sure these unused parameters will not change "
+                          "during training loop while calling `_set_static_graph`.", stacklevel=2)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Accepted for compatibility; ddpkit records no runtime statistics, so the rate changes nothing."""

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -41,14 +42,19 @@ def rng_state() -> dict[str, Any]:
 def numpy_allowed() -> Iterator[None]:
     """torch.load(weights_only=True) taking the numpy objects of numpy's random state (an array and its dtype),
     nothing else beyond its defaults. torch before 2.5 has no scoped allowlist: there they are allowed for good."""
-    core = getattr(np, "_core", None) or np.core
-    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    # numpy 2 pickles its arrays as numpy._core's, numpy 1 as numpy.core's (numpy 1.26 has a numpy._core stub
+    # without multiarray): this numpy's own, and under the other's name too where torch takes one (2.5 on).
+    names = ["numpy._core.multiarray", "numpy.core.multiarray"]
+    if int(np.__version__.split(".")[0]) < 2:
+        names.reverse()
+    reconstruct = importlib.import_module(names[0])._reconstruct
+    allow: list[Any] = [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     scoped = getattr(torch.serialization, "safe_globals", None)
     if scoped is None:
         torch.serialization.add_safe_globals(allow)
         yield
         return
-    with scoped(allow):
+    with scoped([*allow, *((reconstruct, f"{name}._reconstruct") for name in names)]):
         yield
 
 

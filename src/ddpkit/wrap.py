@@ -11,6 +11,7 @@ state_dict keys never carry torch.compile's `_orig_mod.` prefix, whatever the ca
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -30,13 +31,16 @@ def apply_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> DistributedDataParallel:
-    """ddp_broadcast_buffers as torch 2.13's forward_sync_buffers (broadcast_buffers is deprecated there): rank
-    0's buffers at each training forward or not, and at construction always (the ranks built the same model)."""
+    """ddp_broadcast_buffers in Transformers' meaning, torch's broadcast_buffers: False also keeps rank 0's
+    buffers out at construction (forward_sync_buffers=False would not), without torch 2.13's deprecation warning,
+    which is for callers of the wrapper, not for a Trainer's user."""
     cuda = world.device.type == "cuda"
-    return DistributedDataParallel(model, device_ids=[world.device.index] if cuda else None,
-                                   find_unused_parameters=args.find_unused_parameters,
-                                   forward_sync_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
-                                   **zero_ddp_kwargs(args.ddp_zero_stage))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "broadcast_buffers is deprecated", FutureWarning)
+        return DistributedDataParallel(model, device_ids=[world.device.index] if cuda else None,
+                                       find_unused_parameters=args.find_unused_parameters,
+                                       broadcast_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
+                                       **zero_ddp_kwargs(args.ddp_zero_stage))
 
 
 def apply_compile(wrapped: nn.Module, args: TrainingArguments) -> nn.Module:
