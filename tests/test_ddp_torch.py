@@ -264,11 +264,15 @@ def _raised(build) -> str:
     return ""
 
 
-def _warned(build) -> list[type]:
+def _caught(build) -> list[warnings.WarningMessage]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         build()
-    return [w.category for w in caught if "buffers" in str(w.message) or "static_graph" in str(w.message)]
+    return [w.message for w in caught]
+
+
+def _warned(build) -> list[type]:
+    return [type(m) for m in _caught(build) if "buffers" in str(m) or "static_graph" in str(m)]
 
 
 def construction_surface(world):
@@ -307,6 +311,9 @@ def construction_surface(world):
         for ddp in _pair(Net, find_unused_parameters=True):
             ddp._set_static_graph()
     out["static graph with find_unused_parameters"] = len([w for w in caught if "find_unused" in str(w.message)])
+    out["static_graph=True with find_unused_parameters=True"] = tuple(
+        [str(w) for w in _caught(lambda cls=cls: cls(Net(), static_graph=True, find_unused_parameters=True))
+         if "find_unused" in str(w)] for cls in (ddpkit.DistributedDataParallel, TorchDDP))
     mesh = init_device_mesh("cpu", (world.world_size,))
     out["device_mesh kept"] = tuple(cls(Net(), device_mesh=mesh).device_mesh is mesh
                                     for cls in (ddpkit.DistributedDataParallel, TorchDDP))
@@ -334,6 +341,7 @@ def test_construction_warnings_and_errors_are_torchs(world_size):
         assert got["static graph after training"] == (("RuntimeError", True),) * 2
         assert got["static graph after a no_sync step"] == (("", True),) * 2
         assert got["static graph with find_unused_parameters"] == 2
+        assert len(got["static_graph=True with find_unused_parameters=True"][0]) == 1
         assert got["device_mesh kept"] == got["process_group and device_mesh"] == (True, True)
         assert got["SyncBatchNorm on the CPU"] == (True, True)
         assert got["warnings {'broadcast_buffers': False}"] == ([FutureWarning], [FutureWarning])

@@ -79,7 +79,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.find_unused_parameters = find_unused_parameters
         checks.warn_check_reduction(check_reduction)
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.static_graph = False  # True below, through _set_static_graph (torch's warning included)
         self.bucket_cap_mb = checks.bucket_cap(bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * 1024 * 1024)  # torch's name; torch.compile reads it
         self.require_backward_grad_sync = True
@@ -90,6 +90,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.zero_stage = check_zero_stage(zero_stage)  # ddpkit's: 2 shards the gradients (ddpkit.zero_grads)
         checks.no_sync_batchnorm_on_cpu(module, named)
         self._build_engine(init_sync, sync_buffers_at_init)
+        if static_graph:
+            self._set_static_graph()
 
     def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
         return checks.trainable_parameters(self.module, self.parameters_to_ignore)
