@@ -45,6 +45,14 @@ def _annotated(bucket: object = None, returns: object = None):
     return hook
 
 
+def _twice(cls):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = cls(_lin())
+    for _ in range(2):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
 SAME_TYPE = [
     ("no parameter requires a gradient", lambda cls: cls(_lin().requires_grad_(False)), r"requires a gradient"),
     ("no parameters at all", lambda cls: cls(torch.nn.ReLU()), r"requires a gradient"),
@@ -60,11 +68,14 @@ SAME_TYPE = [
      r"Cannot specify both process_group and device_mesh arguments"),
     ("a bucket of NaN MiB", lambda cls: cls(_lin(), bucket_cap_mb=float("nan")), r"bucket_cap_mb"),
     ("a comm hook that is not callable", lambda cls: cls(_lin()).register_comm_hook(None, "allreduce"),
-     r"callable"),
+     r"Communication hook must be callable"),
+    ("a comm hook registered twice", lambda cls: _twice(cls), r"can only be called once"),
     ("a comm hook whose bucket is annotated a tensor",
-     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(bucket=torch.Tensor)), r"GradBucket"),
+     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(bucket=torch.Tensor)),
+     r"bucket annotation should be dist.GradBucket"),
     ("a comm hook annotated to return a tensor",
-     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(returns=torch.Tensor)), r"Future"),
+     lambda cls: cls(_lin()).register_comm_hook(None, _annotated(returns=torch.Tensor)),
+     r"return annotation should be torch.futures.Future\[torch.Tensor\]"),
     ("pickling over a group other than the default",
      lambda cls: pickle.dumps(cls(_lin(), process_group=dist.new_group([0]))), r"default process group"),
     ("a logging sample rate below 1", lambda cls: cls(_lin())._set_ddp_runtime_logging_sample_rate(0),

@@ -314,6 +314,13 @@ def construction_surface(world):
     out["static_graph=True with find_unused_parameters=True"] = tuple(
         [str(w) for w in _caught(lambda cls=cls: cls(Net(), static_graph=True, find_unused_parameters=True))
          if "find_unused" in str(w)] for cls in (ddpkit.DistributedDataParallel, TorchDDP))
+    if world.world_size > 1:  # a world of one reduces nothing: ddpkit's calls no hook there
+        def returns_no_future(ddp):
+            ddp.register_comm_hook(None, lambda state, bucket: 1)
+            ddp(_x(world, 0)).sum().backward()
+
+        out["a comm hook returning no future"] = tuple(
+            _raised(lambda ddp=ddp: returns_no_future(ddp)).split(":")[0] for ddp in _pair(Net))
     mesh = init_device_mesh("cpu", (world.world_size,))
     out["device_mesh kept"] = tuple(cls(Net(), device_mesh=mesh).device_mesh is mesh
                                     for cls in (ddpkit.DistributedDataParallel, TorchDDP))
@@ -342,6 +349,7 @@ def test_construction_warnings_and_errors_are_torchs(world_size):
         assert got["static graph after a no_sync step"] == (("", True),) * 2
         assert got["static graph with find_unused_parameters"] == 2
         assert len(got["static_graph=True with find_unused_parameters=True"][0]) == 1
+        assert got.get("a comm hook returning no future", ("RuntimeError",) * 2) == ("RuntimeError",) * 2
         assert got["device_mesh kept"] == got["process_group and device_mesh"] == (True, True)
         assert got["SyncBatchNorm on the CPU"] == (True, True)
         assert got["warnings {'broadcast_buffers': False}"] == ([FutureWarning], [FutureWarning])

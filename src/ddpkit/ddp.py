@@ -35,7 +35,7 @@ from .ddp_io import move_to, tensors_in
 from .ddp_surface import TorchSurface, install_refusals
 from .join import Join, refuse_stage_2, training_forward
 from .zero_grads import GradShards, check_zero_stage
-from .reducer import CommHook, Reducer
+from .reducer import HOOK_ONCE, CommHook, Reducer
 from .timeline import recorder_for
 from .timeline_record import FORWARD, NULL_RECORDER
 
@@ -319,8 +319,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         if self.zero_stage == 2:
             raise RuntimeError("a comm hook replaces the bucket reduction, and zero_stage=2 needs its own "
                                "(a reduce-scatter into this rank's shard); use zero_stage=0 to register hooks")
-        if self.reducer is None:
-            self._comm_hook = (state, hook)  # a world of one never communicates; kept for introspection
+        if self.reducer is None:  # a world of one never communicates; the hook is kept for introspection
+            if getattr(self, "_comm_hook", None) is not None:
+                raise RuntimeError(HOOK_ONCE)
+            self._comm_hook = (state, hook)
             return
         self.reducer.register_comm_hook(state, hook)
 

@@ -218,7 +218,7 @@ def check_comm_hook(hook: Any) -> None:
     import inspect
 
     if not callable(hook):
-        raise TypeError("the comm hook must be callable as hook(state, bucket) -> torch.futures.Future")
+        raise TypeError("Communication hook must be callable: hook(state, bucket) -> torch.futures.Future")
     try:
         signature = inspect.signature(hook)
     except (TypeError, ValueError):
@@ -226,9 +226,8 @@ def check_comm_hook(hook: Any) -> None:
     bucket = signature.parameters.get("bucket")
     annotation = bucket.annotation if bucket is not None else inspect.Parameter.empty
     if not isinstance(annotation, str) and annotation not in (inspect.Parameter.empty, dist.GradBucket):
-        raise ValueError(f"the comm hook's bucket parameter is annotated {annotation!r}; it gets a "
-                         "torch.distributed.GradBucket")
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket (it is {annotation!r})")
     returned = signature.return_annotation
     if not isinstance(returned, str) and returned not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
-        raise ValueError(f"the comm hook's return annotation is {returned!r}; it must return a "
-                         "torch.futures.Future[torch.Tensor]")
+        raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor] (it "
+                         f"is {returned!r})")

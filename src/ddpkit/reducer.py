@@ -49,6 +49,7 @@ __all__ = ["Reducer", "Bucket", "BucketLayout", "GradBucket", "ParamSpec", "plan
 # torch's default bucket size; the first bucket is small because its gradients (the last layers') are ready
 # first and launching it early starts communication sooner (torch makes the same choice, 1 MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
+HOOK_ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once (torch's words and type)"
 FIRST_BUCKET_CAP_MB = 1.0
 
 # Gradients of at least this many elements are divided into their bucket the moment they are ready (one fused
@@ -125,7 +126,7 @@ class Reducer:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if isinstance(self.reduction, CommHookReduction):
-            raise RuntimeError("a comm hook is already registered; register_comm_hook may be called only once")
+            raise RuntimeError(HOOK_ONCE)
         if self.windows > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward pass")
         self.set_reduction(CommHookReduction(self.comm, state, hook))

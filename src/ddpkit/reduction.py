@@ -101,8 +101,10 @@ class CommHookReduction(AllReduce):
         record = self.comm.note("comm_hook", what, bucket.flat.numel() * bucket.flat.element_size(),
                                 bucket.flat.device)
         future = self.hook(self.state, bucket.public)
-        if not isinstance(future, torch._C.Future):
-            raise TypeError("a comm hook must return a torch.futures.Future of the reduced bucket tensor")
+        if not isinstance(future, torch._C.Future):  # torch's type and words
+            kind = type(future)
+            raise RuntimeError("DDP communication hook's callback must return a torch.futures.Future object, but "
+                               f"got {kind.__module__}.{kind.__qualname__}: return the future of the reduced bucket")
         return future, record
 
     def wait(self, bucket: Bucket, handle: Any) -> torch.Tensor | None:
