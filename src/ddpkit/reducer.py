@@ -49,8 +49,10 @@ __all__ = ["Reducer", "Bucket", "BucketLayout", "GradBucket", "ParamSpec", "plan
 # torch's default bucket size; the first bucket is small because its gradients (the last layers') are ready
 # first and launching it early starts communication sooner (torch makes the same choice, 1 MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
-HOOK_ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once (torch's words and type)"
 FIRST_BUCKET_CAP_MB = 1.0
+
+# torch's words (its tests match them), raised as RuntimeError as torch's are
+HOOK_ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once: a hook is already registered"
 
 # Gradients of at least this many elements are divided into their bucket the moment they are ready (one fused
 # div-out while the gradient is still in cache, overlapping the rest of backward); smaller ones are copied
