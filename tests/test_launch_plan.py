@@ -86,7 +86,7 @@ def test_nproc_auto_entrypoint_kinds_and_bad_input():
     assert launch_plan.resolve_nproc("auto", gpus=0, cores=6) == 6
     assert launch_plan.resolve_nproc("auto", gpus=4, cores=64) == 4
     assert launch_plan.resolve_nproc("cpu", gpus=4, cores=64) == 64
-    with pytest.raises(ValueError, match="no GPU"):
+    with pytest.raises(ValueError, match="no gpu"):
         launch_plan.resolve_nproc("gpu", gpus=0, cores=2)
     with pytest.raises(ValueError):
         launch_plan.resolve_nproc("many", gpus=0, cores=2)
@@ -95,3 +95,25 @@ def test_nproc_auto_entrypoint_kinds_and_bad_input():
     with pytest.raises(ValueError, match="exclude"):
         plan("--no-python", "-m", "pkg")
     assert cli.main(["launch", "--nproc-per-node", "0", "t.py"]) == 2  # a usage error, before any process
+
+
+def test_nproc_counts_any_accelerator_as_torchrun(monkeypatch):
+    """auto counts torch.accelerator's devices (on an XPU host CUDA's count alone gave the CPU cores), and xpu is a
+    kind, as torchrun has them (found by torch's own test_run.py run against ddpkit launch)."""
+    import types
+
+    import torch
+
+    def devices(n):
+        return types.SimpleNamespace(is_available=lambda: n > 0, device_count=lambda: n)
+
+    monkeypatch.setattr(torch, "accelerator", devices(3), raising=False)
+    monkeypatch.setattr(torch, "xpu", devices(3), raising=False)
+    assert launch_plan.resolve_nproc("auto", cores=2) == launch_plan.resolve_nproc("xpu", cores=2) == 3
+    monkeypatch.setattr(torch, "accelerator", devices(0))
+    monkeypatch.setattr(torch, "xpu", devices(0))
+    assert launch_plan.resolve_nproc("auto", cores=2) == 2
+    with pytest.raises(ValueError, match="no xpu device"):
+        launch_plan.resolve_nproc("xpu", cores=2)
+    assert launch_plan.device_count("tpu") is None
+

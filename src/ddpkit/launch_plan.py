@@ -4,7 +4,7 @@ included) resolved into one `LaunchPlan`; pure, unit-tested without processes.
     plan = plan_launch(torchrun_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
 
 The flags and their meanings are torchrun's, with ddpkit's few additions: one node by default rendezvouses on
-a loopback-only store (torchrun binds every interface), --nproc-per-node's auto/gpu/cpu as torchrun has them,
+a loopback-only store (torchrun binds every interface), --nproc-per-node's auto/cpu/gpu/xpu as torchrun has them,
 OMP_NUM_THREADS shared among a node's workers, --timeline FILE [--timeline-steps A:B] (ddpkit.timeline; see
 `add_ddpkit_flags`). torchrun's flags about its own output handling (--tee,
 --redirects, ...) are refused with the reason, since ddpkit forwards every rank's output itself.
@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import timeline_spec
@@ -125,26 +125,41 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_nproc(value: str, gpus: int | None = None, cores: int | None = None) -> int:
-    """--nproc-per-node: a number, or auto (GPUs if any, else CPU cores), gpu or cpu."""
+def device_count(kind: str) -> int | None:
+    """How many devices of `kind` this process sees, as torchrun counts them: "auto" torch.accelerator's (torch 2.6
+    on; CUDA's before), "gpu" CUDA's, "xpu", or the name of torch's privateuse1 backend; None: no such kind."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if kind == "auto" and accelerator is not None:
+        return accelerator.device_count() if accelerator.is_available() else 0
+    kind = "cuda" if kind in ("auto", "gpu") else kind
+    if kind not in ("cuda", "xpu", torch._C._get_privateuse1_backend_name()):
+        return None
+    module = getattr(torch, kind, None)
+    return module.device_count() if module is not None and module.is_available() else 0
+
+
+def resolve_nproc(value: str, gpus: int | None = None, cores: int | None = None,
+                  count: Callable[[str], int | None] = device_count) -> int:
+    """--nproc-per-node: a number, auto (the accelerator's devices if any, else CPU cores), cpu, or a kind of device
+    (gpu: CUDA's, xpu, the privateuse1 backend's name), as torchrun has them. gpus: CUDA's count, for tests."""
     if value.isdigit():
         if int(value) < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {value}")
         return int(value)
-    if gpus is None:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     cores = cpu_cores() if cores is None else cores
-    if value == "auto":
-        return gpus or cores
-    if value == "gpu":
-        if not gpus:
-            raise ValueError("--nproc-per-node gpu: no GPU is visible")
-        return gpus
     if value == "cpu":
         return cores
-    raise ValueError(f"--nproc-per-node must be a number, auto, gpu or cpu; got {value!r}")
+    found = gpus if gpus is not None and value in ("auto", "gpu") else count(value)
+    if value == "auto":
+        return found or cores
+    if found is None:
+        raise ValueError(f"--nproc-per-node must be a number, auto, cpu, gpu or a device kind (xpu, ...); got "
+                         f"{value!r}")
+    if not found:
+        raise ValueError(f"--nproc-per-node {value}: no {value} device is visible")
+    return found
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -252,4 +267,4 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
 
 
 __all__ = ["LaunchPlan", "add_ddpkit_flags", "cpu_cores", "parse_nnodes", "parse_rdzv_conf", "plan_launch",
-           "resolve_nproc", "timeline_env", "torchrun_parser", "worker_command", "worker_env_additions"]
+           "device_count", "resolve_nproc", "timeline_env", "torchrun_parser", "worker_command", "worker_env_additions"]
