@@ -33,7 +33,6 @@ import sys
 import time
 import traceback
 import zipfile
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -361,13 +360,12 @@ def _still_running(proc: subprocess.Popen) -> str:
     """`proc`'s exit status, or that it still runs, with every process under it (pid and command line)."""
     if proc.poll() is not None:
         return f"pid {proc.pid} exited with {proc.returncode}"
-    found, queue = [], [proc.pid]
-    while queue:
-        pid = queue.pop()
+    from ddpkit.procfs import descendants
+
+    found = []
+    for pid in [proc.pid, *descendants(proc.pid)]:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
             found.append(f"{pid}: {f.read().replace(bytes(1), b' ').decode(errors='replace')[:160]}")
-            for task in os.listdir(f"/proc/{pid}/task"):
-                queue += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
     return "still running: " + "; ".join(found)
 
 

@@ -84,3 +84,22 @@ def test_what_cannot_be_read_is_none(monkeypatch):
     monkeypatch.setattr("builtins.open", unreadable)
     assert procfs.pid_namespace() is None and procfs.boot_id() is None
     assert procfs.stat_fields(os.getpid()) is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc")
+def test_descendants_are_children_and_theirs():
+    grandparent = ("import subprocess, sys; "
+                   "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+                   "print(c.pid, flush=True); c.wait()")
+    child = subprocess.Popen([sys.executable, "-c", grandparent], stdout=subprocess.PIPE, text=True)
+    grandchild = None
+    try:
+        grandchild = int(child.stdout.readline())
+        assert procfs.descendants(child.pid) == [grandchild]
+        assert {child.pid, grandchild} <= set(procfs.descendants(os.getpid()))
+        assert procfs.descendants(-1) == []  # no such process
+    finally:
+        for pid in (grandchild, child.pid):
+            if pid is not None:
+                os.kill(pid, 9)
+        child.wait(timeout=30)

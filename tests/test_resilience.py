@@ -31,7 +31,7 @@ import pytest
 
 from conftest import clean_env
 from ddpkit.checkpoint import checkpoint_step, list_checkpoints
-from ddpkit.procfs import stat_fields
+from ddpkit.procfs import descendants
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_resilient.py")
 LAUNCH = [sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2"]
@@ -162,18 +162,6 @@ def reference_hash(tmp_path_factory):
         yield hash_of_the_end
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc: children, theirs, ...)."""
-    parents = {int(n): fields[1] for n in os.listdir("/proc") if n.isdigit() and (fields := stat_fields(int(n)))}
-    found, below = [], [pid]
-    while below:
-        parent = str(below.pop())
-        children = [child for child, ppid in parents.items() if ppid == parent]
-        found += children
-        below += children
-    return found
-
-
 @pytest.mark.parametrize("whom", ["launcher", "job"])
 def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash, whom):
     """The launcher alone is signalled, as Kubernetes signals a pod's first process, or every process of the job,
@@ -187,7 +175,7 @@ def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_p
                   script_args=("--sleep_per_step", "0.5", "--dataloader_num_workers", "2")) as job:
         job.wait_for(r"^\[rank0\]: LOGGED step \d+$")
         sent = time.monotonic()
-        for pid in [job.proc.pid, *(_descendants(job.proc.pid) if whom == "job" else [])]:
+        for pid in [job.proc.pid, *(descendants(job.proc.pid) if whom == "job" else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         rc = job.finish(GRACE_S + 30)

@@ -35,6 +35,27 @@ def process_ended(pid: int) -> bool:
     return False
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` on this host: its children, theirs, and so on (none where there is no /proc,
+    or a process cannot be read)."""
+    found, below = [], [pid]
+    while below:
+        parent = below.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            below += children
+    return found
+
+
 def pid_namespace() -> str | None:
     """This process's PID namespace ("pid:[4026531836]"), in which a pid means what it says."""
     try:
