@@ -83,13 +83,16 @@ def test_pet_variables_stand_in_for_flags_and_flags_win():
 
 
 def test_nproc_auto_entrypoint_kinds_and_bad_input():
-    assert launch_plan.resolve_nproc("auto", gpus=0, cores=6) == 6
-    assert launch_plan.resolve_nproc("auto", gpus=4, cores=64) == 4
-    assert launch_plan.resolve_nproc("cpu", gpus=4, cores=64) == 64
+    def gpus(n):
+        return lambda kind: n if kind in ("auto", "gpu") else None
+
+    assert launch_plan.resolve_nproc("auto", cores=6, count=gpus(0)) == 6
+    assert launch_plan.resolve_nproc("auto", cores=64, count=gpus(4)) == 4
+    assert launch_plan.resolve_nproc("cpu", cores=64, count=gpus(4)) == 64
     with pytest.raises(ValueError, match="no gpu"):
-        launch_plan.resolve_nproc("gpu", gpus=0, cores=2)
+        launch_plan.resolve_nproc("gpu", cores=2, count=gpus(0))
     with pytest.raises(ValueError):
-        launch_plan.resolve_nproc("many", gpus=0, cores=2)
+        launch_plan.resolve_nproc("many", cores=2, count=gpus(0))
     assert plan("-m", "pkg.train", "x").command == (sys.executable, "-u", "-m", "pkg.train", "x")
     assert plan("--no-python", "./run.sh", "x").command == ("./run.sh", "x")
     with pytest.raises(ValueError, match="exclude"):

@@ -140,10 +140,9 @@ def device_count(kind: str) -> int | None:
     return module.device_count() if module is not None and module.is_available() else 0
 
 
-def resolve_nproc(value: str, gpus: int | None = None, cores: int | None = None,
-                  count: Callable[[str], int | None] = device_count) -> int:
+def resolve_nproc(value: str, cores: int | None = None, count: Callable[[str], int | None] = device_count) -> int:
     """--nproc-per-node: a number, auto (the accelerator's devices if any, else CPU cores), cpu, or a kind of device
-    (gpu: CUDA's, xpu, the privateuse1 backend's name), as torchrun has them. gpus: CUDA's count, for tests."""
+    (gpu: CUDA's, xpu, the privateuse1 backend's name), as torchrun has them. cores, count: for tests."""
     if value.isdigit():
         if int(value) < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {value}")
@@ -151,7 +150,7 @@ def resolve_nproc(value: str, gpus: int | None = None, cores: int | None = None,
     cores = cpu_cores() if cores is None else cores
     if value == "cpu":
         return cores
-    found = gpus if gpus is not None and value in ("auto", "gpu") else count(value)
+    found = count(value)
     if value == "auto":
         return found or cores
     if found is None:
