@@ -82,7 +82,7 @@ def test_a_rank_with_loader_workers_exits_when_it_raises(tmp_path):
 
 
 SIGNALLED = """
-    import os, signal, subprocess, sys, time
+    import os, signal, subprocess, time
     import torch
     from ddpkit.loader_workers import SparedLoader
 
@@ -104,7 +104,7 @@ SIGNALLED = """
             return -1 if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) else i
 
     if __name__ == "__main__":
-        loader = SparedLoader(Slow(), num_workers=2, persistent_workers=True, multiprocessing_context=sys.argv[1])
+        loader = SparedLoader(Slow(), num_workers=2, persistent_workers=True, multiprocessing_context="fork")
         batches = iter(loader)
         got = [next(batches)]
         for worker in batches._workers:  # from another process: the rank's own SIGTERM ends them
@@ -120,10 +120,7 @@ def test_a_loader_worker_signalled_by_another_than_its_rank_goes_on(tmp_path):
     """SLURM signals every process of a job step: a worker's SIGTERM or SIGINT from anyone but its rank is the
     rank's to act on (its stop, one checkpoint). It killed the worker, and the rank's next batch raised. At exit,
     multiprocessing's SIGTERM ends the persistent workers and waits for them."""
-    script = tmp_path / "signalled.py"
-    script.write_text(textwrap.dedent(SIGNALLED))
-    done = subprocess.run([sys.executable, str(script), "fork"], env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+    done = _run(tmp_path, SIGNALLED, timeout=120)
     assert done.returncode == 0 and "GOT [0, 1, 2, 3, 4, 5]" in done.stdout, (done.stdout, done.stderr)
 
 
