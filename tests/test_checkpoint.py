@@ -28,7 +28,7 @@ def test_round_trip_restores_everything(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(2))
     assert os.path.basename(path) == "checkpoint-3"
     assert sorted(os.listdir(path)) == ["checkpoint_complete.json", "model.safetensors", "optimizer.pt",
-                                        "rng_state_0.pth", "sampler_state.json", "scheduler.pt",
+                                        "rng_state.pth", "rng_state_0.pth", "sampler_state.json", "scheduler.pt",
                                         "trainer_state.json"]
 
     fresh, fresh_opt, fresh_sched = trained_parts(seed=9)

@@ -59,6 +59,36 @@ def test_transformers_trainer_and_ddpkit_resume_from_each_others_rng_files(tmp_p
     assert _draw() == drawn
 
 
+def test_a_world_of_one_reads_and_writes_the_rng_file_of_a_transformers_trainer_of_one(tmp_path):
+    """A Transformers Trainer of one process reads and writes rng_state.pth only: a ddpkit checkpoint of one
+    rank has it too (with the same state as rng_state_0.pth), and ddpkit's load reads it where rng_state_0.pth
+    is missing (a Transformers checkpoint), counting it as a world of one."""
+    transformers = pytest.importorskip("transformers")
+    import safetensors.torch
+    from conftest import save_small, trained_parts
+    from transformers.training_args import ParallelMode
+
+    from ddpkit import checkpoint
+
+    trainer = SimpleNamespace(args=SimpleNamespace(world_size=1, process_index=0,
+                                                   parallel_mode=ParallelMode.NOT_DISTRIBUTED))
+    model = trained_parts()[0]
+    path = save_small(tmp_path / "ours", 3, model)
+    drawn = _draw()
+    transformers.Trainer._load_rng_state(trainer, path)
+    assert _draw() == drawn
+
+    theirs = tmp_path / "theirs" / "checkpoint-3"  # what a Transformers Trainer of one process leaves
+    theirs.mkdir(parents=True)
+    (theirs / "trainer_state.json").write_text('{"global_step": 3, "log_history": []}')
+    safetensors.torch.save_file(model.state_dict(), str(theirs / "model.safetensors"))
+    transformers.Trainer._save_rng_state(trainer, str(theirs))
+    drawn = _draw()
+    loaded = checkpoint.load_checkpoint(str(theirs))
+    set_rng_state(loaded.rng_state)
+    assert _draw() == drawn and loaded.saved_world_size == 1
+
+
 def test_the_gpu_state_is_this_devices_and_old_lists_are_read(monkeypatch):
     """No GPU here: torch.cuda's calls are recorded. A state list an earlier ddpkit saved (every visible GPU's)
     gives this device's entry, or nothing when the resume sees fewer GPUs than the save did."""

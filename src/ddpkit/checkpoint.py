@@ -15,7 +15,8 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     scheduler.pt             scheduler.state_dict(), likewise
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
     sampler_state.json       the data position: {"epoch", "seed", "consumed"}
-    rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise
+    rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise (a world of one writes it
+                             also as rng_state.pth, the name a Transformers Trainer of one process reads)
     trainer_state.json       global_step, log_history, ...: Transformers' TrainerState fields alone, so that
                              transformers.TrainerState.load_from_json (and Transformers' Trainer) reads it
     ddpkit_state.json        ddpkit's progress beyond them: the running loss sums, the plan's arguments, the world
@@ -67,6 +68,7 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
 SAMPLER_FILE = "sampler_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
+SINGLE_RNG_FILE = "rng_state.pth"  # a Transformers Trainer's, in a world of one: it reads no other there
 DDPKIT_STATE_FILE = "ddpkit_state.json"  # the progress fields Transformers' TrainerState has not
 
 
@@ -106,8 +108,8 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     if sampler_state is not None:
         sums[SAMPLER_FILE] = write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
     for rank, state in enumerate(rng_states):
-        name = RNG_FILE.format(rank=rank)
-        sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
+        for name in [RNG_FILE.format(rank=rank)] + [SINGLE_RNG_FILE] * (len(rng_states) == 1):
+            sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
     if ddpkit_state is not None:
         sums[DDPKIT_STATE_FILE] = write_json(os.path.join(folder, DDPKIT_STATE_FILE), ddpkit_state)
     sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
@@ -347,6 +349,8 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
     trainer_state = read_trainer_state(path)
     sampler_state = read_sampler_state(path)
     rng_file = os.path.join(path, RNG_FILE.format(rank=rank))
+    if rank == 0 and not os.path.isfile(rng_file):
+        rng_file = os.path.join(path, SINGLE_RNG_FILE)  # a Transformers Trainer's of one process
     rng = None
     if os.path.isfile(rng_file):
         try:
@@ -354,7 +358,8 @@ def load_checkpoint(path: str, *, model: torch.nn.Module | None = None,
                 rng = _load_tensors(rng_file, "cpu")
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{rng_file} cannot be read: {type(exc).__name__}: {exc}") from exc
-    saved_world = len([n for n in os.listdir(path) if re.match(r"^rng_state_\d+\.pth$", n)])
+    saved_world = len([n for n in os.listdir(path) if re.match(r"^rng_state_\d+\.pth$", n)]) or \
+        int(os.path.isfile(os.path.join(path, SINGLE_RNG_FILE)))
     return LoadedCheckpoint(path, step, trainer_state, sampler_state, rng, saved_world)
 
 
