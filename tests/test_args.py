@@ -224,7 +224,8 @@ def test_args_module_imports_only_the_rank_question_of_env():
     # that reads the launcher's variables, and the lowest layer).
     local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
              and line.lstrip().startswith(("import", "from"))]
-    assert local == ["from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
+    assert local == ["from .args_foreign import explain, foreign_flag, without_foreign",
+                     "from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
                      "validate",
                      "from .env import report_startup_error  # the one module that knows the launcher (rank, "
                      "error file)"], local

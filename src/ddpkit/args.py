@@ -6,13 +6,15 @@
 
 Each field's help lives in its metadata and becomes its ``--help`` line, so the two cannot drift. Invalid values
 and contradictory combinations raise `ArgumentError` naming the field as soon as the dataclass is built, which
-is before any process group exists. Of ddpkit, this module imports only ddpkit.validation (the checks).
+is before any process group exists. Transformers' fields that ddpkit has not are refused with what to do
+instead (ddpkit.args_foreign). Of ddpkit, this module imports only ddpkit.validation and ddpkit.args_foreign.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -22,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 
+from .args_foreign import explain, foreign_flag, without_foreign
 from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
 
@@ -137,6 +140,14 @@ class TrainingArguments:
     ddp_timeline_steps: str | None = _field(None, "Record optimizer steps A:B (both included, e.g. 3:8) of every "
                                                   "rank into output_dir/timeline.json, a Chrome trace; print a "
                                                   "summary.")
+    # Transformers' fields for the training script itself, which its Trainer does not read either:
+    do_train: bool = _field(False, "For your script: whether to train (the Trainer does not read it).")
+    do_eval: bool = _field(False, "For your script: whether to evaluate (the Trainer does not read it).")
+    do_predict: bool = _field(False, "For your script: whether to predict (the Trainer does not read it).")
+    run_name: str | None = _field(None, "A name for the run, for your script (ddpkit's tensorboard logs do not "
+                                        "use it, nor do Transformers').")
+    local_rank: int = _field(-1, "What the deprecated torch.distributed.launch passes (--local-rank); ddpkit "
+                                 "reads LOCAL_RANK from the environment, which every launcher sets.")
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
@@ -205,6 +216,19 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _refusing_foreign(init: Any) -> Any:
+    """TrainingArguments' __init__, taking the Transformers-only fields at Transformers' default (and dropping
+    them) and refusing them with what to do instead otherwise (ddpkit.args_foreign)."""
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **without_foreign(kwargs))
+
+    return __init__
+
+
+TrainingArguments.__init__ = _refusing_foreign(TrainingArguments.__init__)  # type: ignore[method-assign]
 
 
 def _json_dict(name: str, text: str) -> dict[str, Any]:
@@ -326,6 +350,9 @@ class ArgumentParser(argparse.ArgumentParser):
         allow_extra=True returns the unknown arguments as one more, last element instead of failing.
         """
         namespace, extra = self.parse_known_args(self._underscored(sys.argv[1:] if args is None else list(args)))
+        foreign = foreign_flag(extra)
+        if foreign is not None:
+            self.error(f"--{foreign} {explain(foreign, on_command_line=True)}")
         if extra and not allow_extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         values = vars(namespace)
@@ -343,7 +370,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_dict(self, values: dict[str, Any]) -> tuple[Any, ...]:
         """One instance per dataclass type from a dict (a JSON config, say); unknown keys fail."""
         known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
-        unknown = sorted(set(values) - known)
+        # Transformers' own fields at Transformers' default are dropped, at another value refused with advice.
+        unknown = sorted(without_foreign({k: v for k, v in values.items() if k not in known}))
         if unknown:
             raise ArgumentError(unknown[0], f"unknown argument(s) {unknown}")
         return tuple(dtype(**{f.name: values[f.name] for f in dataclasses.fields(dtype) if f.name in values})

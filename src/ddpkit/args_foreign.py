@@ -1,0 +1,98 @@
+"""The fields of Transformers' TrainingArguments that ddpkit's have not, each with Transformers' default and what
+to do instead. A script written for Transformers passes some of them: left at Transformers' default (what
+ddpkit's Trainer does anyway) they are taken and dropped; set to anything else they raise `ForeignArgument`,
+which says what ddpkit offers in their place, not only that the keyword is unknown. Of ddpkit, imports only
+ddpkit.validation (ArgumentError).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .validation import ArgumentError
+
+_SHARDING = "ddpkit shards across its ranks itself: ddp_zero_stage=1 or 2 (ZeRO stages 1 and 2)"
+_HUB = "ddpkit uploads nothing: push output_dir (from_pretrained loads it and every checkpoint) with huggingface_hub"
+_TRACKING = "ddpkit reports to tensorboard only (report_to)"
+_LOGS = "ddpkit logs on rank 0; every rank's output is in the launcher's files (ddpkit launch --log-dir)"
+_EVAL = "ddpkit's evaluation gathers every rank's predictions and computes compute_metrics once, on rank 0"
+_NOT_YET = "ddpkit's Trainer does not implement it"
+_LOADER = "ddpkit's Trainer builds its DataLoaders with pin_memory on GPUs and dataloader_num_workers workers only"
+
+# name -> (Transformers' default, what to do instead)
+FOREIGN: dict[str, tuple[Any, str]] = {
+    "deepspeed": (None, _SHARDING), "fsdp": (None, _SHARDING), "fsdp_config": (None, _SHARDING),
+    "parallelism_config": (None, _SHARDING), "accelerator_config": (None, "ddpkit does not run on accelerate"),
+    "push_to_hub": (False, _HUB), "hub_model_id": (None, _HUB), "hub_strategy": ("every_save", _HUB),
+    "hub_token": (None, _HUB), "hub_private_repo": (None, _HUB), "hub_always_push": (False, _HUB),
+    "hub_revision": (None, _HUB),
+    "project": ("huggingface", _TRACKING), "trackio_space_id": (None, _TRACKING),
+    "trackio_bucket_id": (None, _TRACKING), "trackio_static_space_id": (None, _TRACKING),
+    "log_level": ("passive", _LOGS), "log_level_replica": ("warning", _LOGS), "log_on_each_node": (True, _LOGS),
+    "logging_nan_inf_filter": (True, "ddpkit logs the loss as it is, inf and nan included"),
+    "save_on_each_node": (False, "rank 0 writes every checkpoint into output_dir: give the nodes a shared one"),
+    "skip_memory_metrics": (True, "ddpkit reports no memory metrics"),
+    "average_tokens_across_devices": (True, "ddpkit always divides the loss by the items of every rank's batches "
+                                            "(the loss one process would compute over the global batch)"),
+    "ddp_static_graph": (None, "ddpkit's DistributedDataParallel finds each backward's parameters itself; to "
+                               "declare the graph static, build it with static_graph=True"),
+    "eval_accumulation_steps": (None, _EVAL), "eval_delay": (0, _EVAL), "eval_do_concat_batches": (True, _EVAL),
+    "eval_use_gather_object": (False, _EVAL), "batch_eval_metrics": (False, _EVAL),
+    "include_for_metrics": ([], _EVAL), "prediction_loss_only": (False, _EVAL),
+    "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
+    "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
+    "dataloader_pin_memory": (True, _LOADER), "dataloader_persistent_workers": (False, _LOADER),
+    "dataloader_prefetch_factor": (None, _LOADER), "dataloader_multiprocessing_context": (None, _LOADER),
+    "dataloader_in_order": (True, _LOADER),
+    "train_sampling_strategy": ("random", "ddpkit's DistributedSampler shuffles each epoch (data_seed)"),
+    "length_column_name": ("length", "ddpkit's DistributedSampler shuffles each epoch (data_seed)"),
+    "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
+    "gradient_checkpointing_kwargs": (None, "gradient_checkpointing=True calls model.gradient_checkpointing_enable() "
+                                            "with its defaults; call it yourself for other arguments"),
+    "activation_checkpointing": (None, "use gradient_checkpointing"),
+    "activation_checkpointing_kwargs": (None, "use gradient_checkpointing"),
+    "full_determinism": (False, "ddpkit seeds every rank (seed, data_seed); set torch.use_deterministic_algorithms "
+                                "yourself for deterministic kernels"),
+    "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
+    "debug": ("", "ddpkit explains a stalled collective itself (ddp_stall_seconds)"),
+    **{name: (default, _NOT_YET) for name, default in (
+        ("label_smoothing_factor", 0.0), ("neftune_noise_alpha", None), ("use_liger_kernel", False),
+        ("liger_kernel_config", None), ("include_num_input_tokens_seen", "no"), ("torch_empty_cache_steps", None),
+        ("auto_find_batch_size", False), ("optim_target_modules", None), ("enable_jit_checkpoint", False),
+        ("use_cache", False))},
+}
+
+
+class ForeignArgument(ArgumentError, TypeError):
+    """A Transformers-only training argument set to something other than Transformers' default: an ArgumentError
+    naming the field, and a TypeError as the unknown keyword it is to the dataclass."""
+
+    def __init__(self, field: str, value: Any):
+        super().__init__(field, f"{field}={value!r} {explain(field)}")
+
+
+def explain(field: str, on_command_line: bool = False) -> str:
+    default, instead = FOREIGN[field]
+    allowed = "" if on_command_line else f" (or at Transformers' default, {default!r})"
+    return (f"is a Transformers TrainingArguments field that ddpkit's TrainingArguments has not: {instead}. Leave "
+            f"it out{allowed}; --help lists every field ddpkit takes")
+
+
+def without_foreign(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` without the Transformers-only fields at Transformers' default; ForeignArgument for another value."""
+    for name in values.keys() & FOREIGN.keys():
+        if values[name] != FOREIGN[name][0]:
+            raise ForeignArgument(name, values[name])
+    return {name: value for name, value in values.items() if name not in FOREIGN}
+
+
+def foreign_flag(tokens: list[str]) -> str | None:
+    """The first command-line token that names a Transformers-only field (--push_to_hub, --log-level=info)."""
+    for token in tokens:
+        name = token.partition("=")[0]
+        if name.startswith("--") and name[2:].replace("-", "_") in FOREIGN:
+            return name[2:].replace("-", "_")
+    return None
+
+
+__all__ = ["FOREIGN", "ForeignArgument", "explain", "foreign_flag", "without_foreign"]

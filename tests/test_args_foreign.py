@@ -1,0 +1,56 @@
+"""ddpkit.args_foreign: Transformers' TrainingArguments fields that ddpkit's have not, taken at Transformers'
+default and refused otherwise with what to do instead; its script-only fields taken."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddpkit.args import ArgumentError, ArgumentParser, TrainingArguments
+from ddpkit.args_foreign import FOREIGN, ForeignArgument
+
+
+def test_the_table_names_transformers_fields_that_ddpkit_has_not_with_their_defaults():
+    transformers = pytest.importorskip("transformers")
+    theirs = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert not FOREIGN.keys() & ours
+    for name, (default, _) in FOREIGN.items():
+        field = theirs[name]
+        assert (field.default_factory() if field.default is dataclasses.MISSING else field.default) == default, name
+    assert {"do_train", "do_eval", "do_predict", "run_name", "local_rank"} <= ours  # for the script, as theirs
+
+
+def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_refused(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), do_train=True, run_name="r", local_rank=0,
+                             push_to_hub=False, log_level="passive", average_tokens_across_devices=True)
+    assert (args.do_train, args.run_name) == (True, "r") and not hasattr(args, "push_to_hub")
+    for kwargs, hint in ((dict(fsdp="full_shard"), "ddp_zero_stage=1 or 2"),
+                         (dict(label_smoothing_factor=0.1), "does not implement it"),
+                         (dict(average_tokens_across_devices=False), "items of every rank's batches"),
+                         (dict(ddp_static_graph=True), "static_graph=True")):
+        with pytest.raises(ForeignArgument, match=hint) as caught:
+            TrainingArguments(output_dir=str(tmp_path), **kwargs)
+        # A TypeError, as an unknown keyword is, and ddpkit's ArgumentError naming the field.
+        assert isinstance(caught.value, TypeError) and isinstance(caught.value, ArgumentError)
+        assert caught.value.field == next(iter(kwargs)) and str(caught.value).startswith(f"{caught.value.field}: ")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        TrainingArguments(output_dir=str(tmp_path), bogus=1)
+    assert dataclasses.replace(args, seed=3).seed == 3
+
+
+def test_on_the_command_line_and_in_a_dict(tmp_path, capsys):
+    parser = ArgumentParser(TrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--do_train", "--do-eval",
+                                                  "--local-rank=1", "--run_name", "r"])
+    assert (args.do_train, args.do_eval, args.do_predict, args.local_rank, args.run_name) == (True, True, False, 1, "r")
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--push-to-hub"])
+    assert exited.value.code == 2 and "--push_to_hub is a Transformers" in capsys.readouterr().err
+    (args,) = parser.parse_dict({"output_dir": str(tmp_path), "push_to_hub": False, "seed": 3})
+    assert args.seed == 3
+    with pytest.raises(ForeignArgument, match="ddp_zero_stage"):
+        parser.parse_dict({"output_dir": str(tmp_path), "deepspeed": "ds.json"})
+    with pytest.raises(ArgumentError, match=r"unknown argument\(s\) \['bogus'\]"):
+        parser.parse_dict({"output_dir": str(tmp_path), "bogus": 1})
