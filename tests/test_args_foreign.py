@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from ddpkit.args import ArgumentError, ArgumentParser, TrainingArguments
 from ddpkit.args_foreign import FOREIGN, ForeignArgument
@@ -54,3 +55,16 @@ def test_on_the_command_line_and_in_a_dict(tmp_path, capsys):
         parser.parse_dict({"output_dir": str(tmp_path), "deepspeed": "ds.json"})
     with pytest.raises(ArgumentError, match=r"unknown argument\(s\) \['bogus'\]"):
         parser.parse_dict({"output_dir": str(tmp_path), "bogus": 1})
+
+
+def test_the_trainer_takes_no_args_as_transformers_does_and_refuses_a_transformers_one(tmp_path):
+    """None: TrainingArguments() (Transformers' Trainer does the same); a Transformers TrainingArguments, which
+    lacks ddpkit's fields: a TypeError saying what to build, before any process group exists."""
+    transformers = pytest.importorskip("transformers")
+    from ddpkit.args import trainer_arguments
+    from ddpkit.trainer import Trainer
+
+    assert trainer_arguments(None) == TrainingArguments()
+    with pytest.raises(TypeError, match="takes ddpkit.TrainingArguments, not transformers.training_args"):
+        Trainer(torch.nn.Linear(2, 1), transformers.TrainingArguments(str(tmp_path), report_to="none"))
+    assert not torch.distributed.is_initialized()

@@ -231,6 +231,16 @@ def _refusing_foreign(init: Any) -> Any:
 TrainingArguments.__init__ = _refusing_foreign(TrainingArguments.__init__)  # type: ignore[method-assign]
 
 
+def trainer_arguments(args: Any) -> TrainingArguments:
+    """The Trainer's args: these as given, TrainingArguments() for None (as Transformers' Trainer), else a TypeError
+    that says how to build them (a Transformers TrainingArguments lacks ddpkit's fields)."""
+    if args is None or isinstance(args, TrainingArguments):
+        return TrainingArguments() if args is None else args
+    raise TypeError(f"ddpkit.Trainer takes ddpkit.TrainingArguments, not {type(args).__module__}."
+                    f"{type(args).__qualname__}: build ddpkit.TrainingArguments with the same Transformers names "
+                    "(ddpkit.TrainingArguments(output_dir=..., learning_rate=...)); its --help lists them")
+
+
 def _json_dict(name: str, text: str) -> dict[str, Any]:
     try:
         value = json.loads(text) if text.strip() else {}
@@ -385,4 +395,5 @@ def parse_args(argv: Iterable[str] | None = None) -> TrainingArguments:
     return args
 
 
-__all__ = ["ArgumentError", "ArgumentParser", "TrainingArguments", "parse_args", "string_to_bool", "validate"]
+__all__ = ["ArgumentError", "ArgumentParser", "TrainingArguments", "parse_args", "string_to_bool", "trainer_arguments",
+           "validate"]

@@ -40,7 +40,7 @@ from .best import BestModel
 from .collator import default_data_collator, without_unused_columns
 from .saves import Saves
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
-from .args import ArgumentError, TrainingArguments
+from .args import ArgumentError, TrainingArguments, trainer_arguments
 from .comm import Comm, barrier, init_process_group, max_over_ranks, sum_over_ranks
 from .env import DistEnv
 from .precision import Precision
@@ -68,12 +68,12 @@ class Trainer(EvaluationMixin):
     something other than the labels that are not -100 (or the samples, without labels).
     """
 
-    def __init__(self, model: nn.Module, args: TrainingArguments, train_dataset: Dataset | None = None,
+    def __init__(self, model: nn.Module, args: TrainingArguments | None = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | None = None, data_collator: Callable | None = None,
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
                  callbacks: list[TrainerCallback] | None = None):
-        self.args = args
+        self.args = args = trainer_arguments(args)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
                                                  stall_seconds=args.ddp_stall_seconds)
