@@ -53,6 +53,7 @@ from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
 from .trainer_eval import EvaluationMixin
+from .trainer_results import ResultsMixin
 from .loader_workers import SparedLoader
 from .window import StopRequest, Window
 from .wrap import prepare_model
@@ -60,7 +61,7 @@ from .wrap import prepare_model
 get_scheduler = optim.get_scheduler
 
 
-class Trainer(EvaluationMixin):
+class Trainer(EvaluationMixin, ResultsMixin):
     """Trains `model` on `train_dataset` with `args` on every process of the world the launcher started.
 
     The model returns a loss (a tensor, a dict with "loss", or an object with `.loss`) that is the mean over the

@@ -1,0 +1,112 @@
+"""What a training script does with the Trainer's results, under Transformers' names, as its example scripts do
+after `train()`:
+
+    result = trainer.train()
+    trainer.save_model()
+    trainer.log_metrics("train", result.metrics)     # printed on rank 0, formatted as Transformers prints them
+    trainer.save_metrics("train", result.metrics)    # output_dir/train_results.json and all_results.json
+    trainer.save_state()                             # output_dir/trainer_state.json
+
+Rank 0 prints and writes; every file is replaced whole (ddpkit.atomic), never left half-written. Nothing here
+is a collective: any rank may call these, and only rank 0 acts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+from .atomic import replacing
+
+
+def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as log_metrics prints them, by Transformers' rules: memory in MB, runtimes as h:mm:ss.ff, total_flos
+    in GF, other floats to 4 decimals."""
+    formatted = dict(metrics)
+    for key, value in metrics.items():
+        if "_mem_" in key:
+            formatted[key] = f"{int(value) >> 20}MB"
+        elif "_runtime" in key:
+            formatted[key] = _duration(value)
+        elif key == "total_flos":
+            formatted[key] = f"{int(value) >> 30}GF"
+        elif isinstance(value, float):
+            formatted[key] = round(value, 4)
+    return formatted
+
+
+def _duration(seconds: float) -> str:
+    """0:01:02.34 for 62.3456 s: whole seconds as timedelta prints them, then the hundredths (cut, not rounded)."""
+    return f"{datetime.timedelta(seconds=int(seconds))}.{int(abs(seconds - int(seconds)) * 100):02d}"
+
+
+class ResultsMixin:
+    """The Trainer's (it has `args`, `world`, `model`, `optimizer`, `state` and `saves`)."""
+
+    args: Any
+    world: Any
+    model: Any
+    optimizer: Any
+    state: Any
+    saves: Any
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is rank 0 of the whole job, the one process that writes."""
+        return bool(self.world.is_main)
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the first process of its node."""
+        return bool(self.world.is_local_main)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print `metrics` under a "***** <split> metrics *****" header, one aligned line each, on rank 0."""
+        if not self.is_world_process_zero() or not metrics:
+            return
+        formatted = metrics_format(metrics)
+        key_width = max(len(str(key)) for key in formatted)
+        value_width = max(len(str(value)) for value in formatted.values())
+        print(f"***** {split} metrics *****")
+        for key in sorted(formatted):
+            print(f"  {key: <{key_width}} = {formatted[key]:>{value_width}}")
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """output_dir/<split>_results.json holds `metrics`; with `combined`, all_results.json gains them too (its
+        earlier metrics kept, these over them). Rank 0 writes."""
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        _write(os.path.join(self.args.output_dir, f"{split}_results.json"), metrics)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            every: dict[str, Any] = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    every = json.load(f)
+            _write(path, {**every, **metrics})
+
+    def save_state(self) -> None:
+        """output_dir/trainer_state.json: the progress so far (Transformers' TrainerState fields, which its
+        TrainerState.load_from_json reads), as training writes it when it ends. Rank 0 writes."""
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        self.saves.write_final_state(self.state)
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """Each param group's current learning rate."""
+        if self.optimizer is None:
+            raise ValueError("the Trainer has no optimizer yet: train() creates it (or create_optimizer(), or pass "
+                             "optimizers=(optimizer, scheduler))")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def _write(path: str, values: dict[str, Any]) -> None:
+    with replacing(path) as f:
+        json.dump(values, f, indent=4, sort_keys=True)
+
+
+__all__ = ["ResultsMixin", "metrics_format"]

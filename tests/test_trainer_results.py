@@ -1,0 +1,65 @@
+"""ddpkit.trainer_results: what an example script of Transformers calls after train() (log_metrics, save_metrics,
+save_state, ...), giving what Transformers' Trainer gives, on rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import Classifier, classification_data, trainer_args
+
+from ddpkit.trainer import Trainer
+from ddpkit.trainer_results import ResultsMixin, metrics_format
+
+
+def test_after_training_the_results_are_printed_and_written_as_transformers_does(tmp_path, local_world, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=3),
+                      classification_data(16))
+    result = trainer.train()
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
+    assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in Classifier().parameters())
+    assert trainer.get_learning_rates() == [0.05, 0.05]  # decayed and not decayed groups, constant schedule
+    capsys.readouterr()
+    trainer.log_metrics("train", result.metrics)
+    ours = capsys.readouterr().out
+    transformers.Trainer.log_metrics(SimpleNamespace(is_world_process_zero=lambda: True), "train", result.metrics)
+    assert ours == capsys.readouterr().out and ours.startswith("***** train metrics *****\n  epoch")
+
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_metrics("eval", {"eval_loss": 0.5, "epoch": 9.0})
+    with open(tmp_path / "train_results.json") as f:
+        assert json.load(f) == result.metrics
+    with open(tmp_path / "all_results.json") as f:
+        assert json.load(f) == {**result.metrics, "eval_loss": 0.5, "epoch": 9.0}
+    os.remove(tmp_path / "trainer_state.json")  # written when training ended; save_state writes it again
+    trainer.save_state()
+    state = transformers.TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))
+    assert state.global_step == 3 and state.log_history == trainer.state.log_history
+
+
+def test_metrics_are_formatted_by_transformers_rules_and_other_ranks_do_nothing(tmp_path, capsys):
+    trainer_pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    metrics = {"train_runtime": 62.3456, "train_mem_cpu_alloc_delta": 3 << 20, "total_flos": 5 << 30,
+               "train_loss": 0.123456789, "epoch": 2, "note": "x"}
+    assert metrics_format(metrics) == trainer_pt_utils.metrics_format(metrics)
+    assert metrics_format(metrics)["train_runtime"] == "0:01:02.34"
+
+    other = ResultsMixin()
+    other.world = SimpleNamespace(is_main=False, is_local_main=True)
+    other.args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+    other.saves = SimpleNamespace(write_final_state=lambda state: None)  # rank 0's to write, as in Saves
+    other.state = None
+    other.log_metrics("train", metrics)
+    other.save_metrics("train", metrics)
+    other.save_state()
+    assert capsys.readouterr().out == "" and not os.path.exists(tmp_path / "out")
+    assert not other.is_world_process_zero() and other.is_local_process_zero()
+    other.optimizer = None
+    with pytest.raises(ValueError, match="no optimizer yet"):
+        other.get_learning_rates()
