@@ -127,3 +127,43 @@ def test_a_checkpoint_s_trainer_state_loads_in_transformers(tmp_path, local_worl
         assert (ours["train_batch_size"], ours["world_size"], ours["train_loss_steps"]) == (2 * 2, 1, step)
     final = transformers.TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))  # the run's, at its end
     assert (final.global_step, final.train_batch_size, final.log_history) == (4, 2, trainer.state.log_history)
+
+
+def test_a_tokenizer_as_processing_class_pads_and_is_saved_as_transformers_does(tmp_path, local_world):
+    """processing_class (a tokenizer): without a data_collator the batches are padded by it (Transformers'
+    DataCollatorWithPadding), it goes into every checkpoint (checked by the marker like every file) and into
+    save_model's folder, AutoTokenizer loads it from both, and the callbacks get it."""
+    import tokenizers
+    import transformers
+
+    from ddpkit.callbacks import TrainerCallback
+    from ddpkit.checkpoint import load_checkpoint
+
+    words = ["[PAD]", "[UNK]", *"abcdefgh"]
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]")
+    config = transformers.GPT2Config(vocab_size=len(words), n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     num_labels=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(config)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": tokenizer(" ".join(words[2 + j] for j in torch.randint(0, 8, (n,), generator=g)))
+             ["input_ids"], "label": n % 2} for n in torch.randint(2, 9, (12,), generator=g).tolist()]
+    seen = []
+
+    class Sees(TrainerCallback):
+        def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
+            seen.append(processing_class)
+
+    args = trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=2)
+    trainer = Trainer(model, args, data, processing_class=tokenizer, callbacks=[Sees()])
+    assert isinstance(trainer.data_collator, transformers.DataCollatorWithPadding) and seen == []
+    trainer.train()
+    assert seen == [tokenizer]
+    load_checkpoint(str(tmp_path / "checkpoint-2"))  # every file as its marker says, the tokenizer's included
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "checkpoint-2", tmp_path / "final"):
+        assert "tokenizer.json" in os.listdir(folder)
+        back = transformers.AutoTokenizer.from_pretrained(folder)
+        assert back("a b h")["input_ids"] == tokenizer("a b h")["input_ids"] == [2, 3, 9]

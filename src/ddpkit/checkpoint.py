@@ -11,6 +11,7 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
 
     model.safetensors        weights of the unwrapped model (safetensors: tensors only, no code)
     config.json              a Transformers model's configuration: from_pretrained(the folder) loads the model
+    tokenizer.json, ...      the Trainer's processing_class, by its save_pretrained (AutoTokenizer loads it)
     optimizer.pt             optimizer.state_dict(), read back with torch.load(weights_only=True)
     scheduler.pt             scheduler.state_dict(), likewise
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
@@ -90,7 +91,7 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
 
 def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
                   scaler=None, crc32: dict[str, int] | None = None, run: str | None = None,
-                  ddpkit_state: dict | None = None) -> None:
+                  ddpkit_state: dict | None = None, processor: Any = None) -> None:
     """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
     ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
     sums = dict(crc32 or {})
@@ -100,6 +101,10 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     for name, config in _configs(model).items():  # from_pretrained(the folder) loads it, as a Transformers one
         config.save_pretrained(folder)
         sums[name] = file_crc32(os.path.join(folder, name))
+    if processor is not None:  # a tokenizer or processor: the files its save_pretrained writes, whatever they are
+        before = set(os.listdir(folder))
+        processor.save_pretrained(folder)
+        sums.update({name: file_crc32(os.path.join(folder, name)) for name in set(os.listdir(folder)) - before})
     # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
     for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
         if source is not None:
@@ -159,7 +164,8 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                     comm: Comm, world: DistEnv, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None, sampler_state: dict | None = None,
                     save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None,
-                    run: str | None = None, rng: bool = True, ddpkit_state: dict | None = None) -> str:
+                    run: str | None = None, rng: bool = True, ddpkit_state: dict | None = None,
+                    processor: Any = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
@@ -169,6 +175,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
     nothing resumes from; every rank must pass the same, as the gather is skipped).
     trainer_state, ddpkit_state: trainer_state.json's content and ddpkit_state.json's (none: no such file), as
     TrainerState.split makes them; read back as one by read_trainer_state.
+    processor: the Trainer's processing_class (a tokenizer, say), saved into the folder by its save_pretrained.
     """
     rng_states = comm.all_gather_object(rng_state(), what=f"checkpoint-{step} rng") if rng else []
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
@@ -185,7 +192,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                 remove_stale(output_dir)
                 os.makedirs(tmp)
             _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
-                          sampler_state, rng_states, scaler, shard_sums, run, ddpkit_state)
+                          sampler_state, rng_states, scaler, shard_sums, run, ddpkit_state, processor)
             _publish(tmp, final, run)
             # None past this step: a later train() call's of the same run, in a restarted script (rotate's until)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run, until=step)

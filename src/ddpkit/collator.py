@@ -4,7 +4,8 @@ the model: Transformers' default_data_collator and its remove_unused_columns, in
     batch = default_data_collator([{"input_ids": [1, 2, 3], "label": 1}, ...])   # {"input_ids": (n, 3), "labels": (n,)}
     collate = without_unused_columns(default_data_collator, model, label_names=None)  # drops what forward cannot take
 
-Samples that are not mappings (tuples, tensors) go to torch's default_collate, as before.
+Samples that are not mappings (tuples, tensors) go to torch's default_collate, as before. Given a tokenizer or a
+feature extractor as processing_class, the Trainer pads with it instead (default_collator), as Transformers' does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def default_data_collator(features: Sequence[Any]) -> Any:
             continue
         batch[key] = _stacked([f[key] for f in features])
     return batch
+
+
+def default_collator(processing_class: Any = None) -> Callable[[Sequence[Any]], Any]:
+    """The Trainer's collator when it is given none: Transformers' DataCollatorWithPadding for a tokenizer or a
+    sequence feature extractor (samples of unequal lengths padded by it), else default_data_collator."""
+    if processing_class is not None:
+        import transformers
+
+        if isinstance(processing_class, (transformers.PreTrainedTokenizerBase, transformers.SequenceFeatureExtractor)):
+            return transformers.DataCollatorWithPadding(processing_class)
+    return default_data_collator
 
 
 def _labels(values: list[Any], by_first_element: bool) -> torch.Tensor:
@@ -98,4 +110,4 @@ def without_unused_columns(collate: Callable, model: nn.Module,
     return collate_used
 
 
-__all__ = ["default_data_collator", "forward_columns", "without_unused_columns"]
+__all__ = ["default_collator", "default_data_collator", "forward_columns", "without_unused_columns"]

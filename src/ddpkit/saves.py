@@ -5,7 +5,7 @@
     folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
     saves.load_best(model, state)                        # load_best_model_at_end
     saves.write_final_state(state)                       # output_dir/trainer_state.json, Transformers' fields
-    save_model(model, output_dir, args.to_dict())        # Trainer.save_model's files, on rank 0
+    save_model(model, output_dir, args.to_dict(), processor)  # Trainer.save_model's files, on rank 0
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
 resume.protected_checkpoints), the best one (best.py), nor another run's (`run`, see ddpkit.runs). The files
@@ -24,8 +24,9 @@ from .env import DistEnv
 
 
 class Saves:
-    def __init__(self, args: Any, comm: Comm, world: DistEnv, best: BestModel | None = None):
+    def __init__(self, args: Any, comm: Comm, world: DistEnv, best: BestModel | None = None, processor: Any = None):
         self.output_dir = args.output_dir
+        self.processor = processor  # what every checkpoint and save_model also save: saved_processor's
         self.save_total_limit = args.save_total_limit
         self.per_device_train_batch_size = args.per_device_train_batch_size  # trainer_state.json's train_batch_size
         self.comm, self.world, self.best = comm, world, best
@@ -73,7 +74,7 @@ class Saves:
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state=theirs,
             ddpkit_state=ours, sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
-            run=self.run, rng=rng)
+            run=self.run, rng=rng, processor=self.processor)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""
@@ -86,16 +87,26 @@ class Saves:
         return loaded
 
 
-def save_model(model: Any, output_dir: str, training_args: dict) -> None:
-    """The model and training_args.json into output_dir (rank 0's part of Trainer.save_model). A Transformers model
-    is saved by its save_pretrained, as Transformers' Trainer saves it: config.json beside the weights, so that
-    from_pretrained(output_dir) loads it; any other model as model.safetensors."""
+def saved_processor(processing_class: Any, data_collator: Any) -> Any:
+    """What checkpoints and save_model save beside the model, as Transformers' Trainer: processing_class, else the
+    data collator's tokenizer (DataCollatorWithPadding's, say); None: nothing."""
+    found = processing_class if processing_class is not None else getattr(data_collator, "tokenizer", None)
+    return found if callable(getattr(found, "save_pretrained", None)) else None
+
+
+def save_model(model: Any, output_dir: str, training_args: dict, processor: Any = None) -> None:
+    """The model, the processor (a tokenizer: saved_processor's) and training_args.json into output_dir (rank 0's
+    part of Trainer.save_model). A Transformers model is saved by its save_pretrained, as Transformers' Trainer
+    saves it: config.json beside the weights, so that from_pretrained(output_dir) loads it; any other model as
+    model.safetensors."""
     os.makedirs(output_dir, exist_ok=True)
     if callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained(output_dir)
     else:
         checkpoint.save_weights(model, os.path.join(output_dir, checkpoint.MODEL_FILE))
+    if processor is not None:
+        processor.save_pretrained(output_dir)
     checkpoint.write_json(os.path.join(output_dir, "training_args.json"), training_args)
 
 
-__all__ = ["Saves", "save_model"]
+__all__ = ["Saves", "save_model", "saved_processor"]

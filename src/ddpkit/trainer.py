@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import evaluation, model_io, optim, resume, runs, saves, step
 from .best import BestModel
-from .collator import default_data_collator, without_unused_columns
-from .saves import Saves
+from .collator import default_collator, without_unused_columns
+from .saves import Saves, saved_processor
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments, trainer_arguments
 from .comm import Comm, barrier, init_process_group, max_over_ranks, sum_over_ranks
@@ -73,7 +73,7 @@ class Trainer(EvaluationMixin, ResultsMixin):
                  eval_dataset: Dataset | None = None, data_collator: Callable | None = None,
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
-                 callbacks: list[TrainerCallback] | None = None):
+                 callbacks: list[TrainerCallback] | None = None, processing_class: Any = None):
         self.args = args = trainer_arguments(args)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
@@ -98,7 +98,8 @@ class Trainer(EvaluationMixin, ResultsMixin):
         if args.eval_strategy != "no" and eval_dataset is None:  # as Transformers: it would never evaluate
             raise ArgumentError("eval_strategy", f"is {args.eval_strategy!r} but the Trainer got no eval_dataset; "
                                 "pass one, or set eval_strategy to 'no'")
-        self.data_collator = data_collator or default_data_collator  # Transformers' default_data_collator's rules
+        self.data_collator = data_collator or default_collator(processing_class)  # Transformers' rules (collator.py)
+        self.processing_class = processing_class  # a tokenizer, say: saved into checkpoints and by save_model
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optim.given_optimizers(optimizers, args, self.world.world_size)
         self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
@@ -106,7 +107,7 @@ class Trainer(EvaluationMixin, ResultsMixin):
         self.reporter = Reporter(args.output_dir, args.reporters, is_main=self.world.is_main)
         self._last_batch = None
         self.best = BestModel.for_args(args)
-        self.saves = Saves(args, self.comm, self.world, self.best)
+        self.saves = Saves(args, self.comm, self.world, self.best, saved_processor(processing_class, data_collator))
         self.callback_handler, self.control = CallbackHandler(callbacks), TrainerControl()
         self._agreement = Agreement(self.comm, self.world.device)  # rank 0's control, on every rank (callbacks.py)
         self._fire("on_init_end")
@@ -124,7 +125,7 @@ class Trainer(EvaluationMixin, ResultsMixin):
     def _fire(self, event: str, **kwargs: Any) -> None:
         self.callback_handler.objects = {"model": self.model, "optimizer": self.optimizer,
                                          "lr_scheduler": self.lr_scheduler, "train_dataloader": None,
-                                         "eval_dataloader": None}
+                                         "eval_dataloader": None, "processing_class": self.processing_class}
         self.control = self.callback_handler.call(event, self.args, self.state, self.control, **kwargs)
 
     # -- setup -----------------------------------------------------------------------------------------------------
@@ -366,10 +367,10 @@ class Trainer(EvaluationMixin, ResultsMixin):
         return folder
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """The model (a Transformers model's save_pretrained files, else model.safetensors) and training_args.json
-        into output_dir, from rank 0 (saves.save_model); call it on every rank."""
+        """The model (a Transformers model's save_pretrained files, else model.safetensors), processing_class (a
+        tokenizer's files) and training_args.json into output_dir, from rank 0 (saves.save_model); every rank calls."""
         if self.world.is_main:
-            saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict())
+            saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict(), self.saves.processor)
         barrier(self.world, "save_model")
 
     # -- logging -----------------------------------------------------------------------------------------------------
