@@ -18,7 +18,8 @@ items (labels other than -100, or samples), so N ranks x accumulation equal one 
 
 Its parts live beside it: the order of epochs, steps and events (loop.py), the model made ready (wrap.py), the step
 plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
-evaluate and predict (trainer_eval.py, evaluation.py), which checkpoint to resume from (resume.py), writing
+the sampler, loaders and collation (trainer_data.py), evaluate and predict (trainer_eval.py, evaluation.py), what
+scripts call after training (trainer_results.py), which checkpoint to resume from (resume.py), writing
 checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs,
 progress bar and loss curve (report.py), optimizer and schedules (optim.py), the default collator and
 remove_unused_columns (collator.py), the shapes of batches and outputs (model_io.py), trainer_state.json
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import evaluation, model_io, optim, resume, runs, saves, step
 from .best import BestModel
-from .collator import default_collator, without_unused_columns
+from .collator import default_collator
 from .saves import Saves, saved_processor
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments, trainer_arguments
@@ -49,19 +50,18 @@ from .loop import TrainingLoop, saved_rest
 from .report import Progress, Reporter, write_loss_curve
 from .rng import set_seed
 from .running_loss import RunningLoss
-from .sampler import DistributedSampler
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
+from .trainer_data import DataMixin
 from .trainer_eval import EvaluationMixin
 from .trainer_results import ResultsMixin
-from .loader_workers import SparedLoader
 from .window import StopRequest, Window
 from .wrap import prepare_model
 
 get_scheduler = optim.get_scheduler
 
 
-class Trainer(EvaluationMixin, ResultsMixin):
+class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
     """Trains `model` on `train_dataset` with `args` on every process of the world the launcher started.
 
     The model returns a loss (a tensor, a dict with "loss", or an object with `.loss`) that is the mean over the
@@ -129,33 +129,6 @@ class Trainer(EvaluationMixin, ResultsMixin):
         self.control = self.callback_handler.call(event, self.args, self.state, self.control, **kwargs)
 
     # -- setup -----------------------------------------------------------------------------------------------------
-    def get_train_sampler(self) -> DistributedSampler:
-        return DistributedSampler(self.train_dataset, num_replicas=self.world.world_size, rank=self.world.rank,
-                                  shuffle=True, seed=_data_seed(self.args), drop_last=False)
-
-    def get_train_dataloader(self, sampler, epoch: int = 0) -> DataLoader:
-        # Its own generator, seeded per epoch: creating an iterator must not draw from the global RNG, or a run
-        # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
-        generator = torch.Generator().manual_seed(_data_seed(self.args) + epoch)
-        return self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
-                            drop_last=self.args.dataloader_drop_last, pin_memory=self.world.device.type == "cuda")
-
-    def get_eval_dataloader(self, dataset: Dataset, indices: list[int]) -> DataLoader:
-        # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        return self._loader(dataset, self.args.per_device_eval_batch_size, indices,
-                            torch.Generator().manual_seed(_data_seed(self.args)))
-
-    def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
-        # Its workers are out of the stop's way (ddpkit.loader_workers).
-        return SparedLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
-                            num_workers=self.args.dataloader_num_workers, generator=generator, **kw)
-
-    def _collate(self) -> Callable:
-        """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""
-        if not self.args.remove_unused_columns:
-            return self.data_collator
-        return without_unused_columns(self.data_collator, self.model, self.args.label_names)
-
     def create_optimizer(self) -> torch.optim.Optimizer:
         """args.optim; biases and norms get no weight decay (Transformers' rule: optim.no_decay)."""
         if self.optimizer is None:
@@ -387,10 +360,6 @@ class Trainer(EvaluationMixin, ResultsMixin):
         self._fire("on_train_end")
         self.reporter.close(self.state.log_history)
         self.saves.write_final_state(self.state)
-
-
-def _data_seed(args: TrainingArguments) -> int:
-    return args.seed if args.data_seed is None else args.data_seed
 
 
 __all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl",
