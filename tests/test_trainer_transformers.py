@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -167,3 +168,42 @@ def test_a_tokenizer_as_processing_class_pads_and_is_saved_as_transformers_does(
         assert "tokenizer.json" in os.listdir(folder)
         back = transformers.AutoTokenizer.from_pretrained(folder)
         assert back("a b h")["input_ids"] == tokenizer("a b h")["input_ids"] == [2, 3, 9]
+
+
+def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp_path, local_world):
+    """compute_loss_func(outputs, labels, num_items_in_batch): the model gets no labels, the function a sum over
+    the global item count, so training equals the model's own mean loss (accumulation included); and
+    compute_metrics gets preprocess_logits_for_metrics(logits, labels) of every batch, which must be a tensor."""
+    import torch.nn.functional as F
+
+    seen = {"labels": [], "counts": []}
+
+    def summed_over_count(outputs, labels, num_items_in_batch=None):
+        assert outputs["loss"] is None  # the model was called without its labels
+        seen["labels"].append(labels is not None)
+        seen["counts"].append(float(num_items_in_batch))
+        return F.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    def accuracy(prediction):
+        return {"accuracy": float((prediction.predictions == prediction.label_ids).mean())}
+
+    trained = []
+    for kwargs in ({}, {"compute_loss_func": summed_over_count}):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / str(len(trained)), max_steps=3, per_device_train_batch_size=3,
+                            gradient_accumulation_steps=2)
+        trainer = Trainer(Classifier().double(), args, classification_data(18), **kwargs,
+                          compute_metrics=accuracy, preprocess_logits_for_metrics=lambda logits, _: logits.argmax(-1))
+        trainer.train()
+        trained.append(trainer.model.state_dict())
+    assert seen["labels"] and all(seen["labels"]) and set(seen["counts"][:6]) == {6.0}  # 2 batches of 3 a step
+    for name, value in trained[0].items():
+        torch.testing.assert_close(trained[1][name], value, rtol=1e-12, atol=1e-12)
+    metrics = trainer.evaluate(classification_data(10, seed=1))
+    with torch.no_grad():
+        logits = trainer.model.eval()(torch.stack([s["x"] for s in classification_data(10, seed=1)]))["logits"]
+    labels = torch.stack([s["labels"] for s in classification_data(10, seed=1)])
+    assert metrics["eval_accuracy"] == float((logits.argmax(-1) == labels).double().mean())
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: (logits, labels)
+    with pytest.raises(TypeError, match="preprocess_logits_for_metrics returned tuple"):
+        trainer.evaluate(classification_data(10, seed=1))

@@ -101,9 +101,11 @@ ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, lab
 Forward = Callable[[Any], ForwardResult]
 
 
-def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> Part:
+def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
+               preprocess: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> Part:
     """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
-    left out), keep logits and labels (None: none) if wanted."""
+    left out), keep logits (or what `preprocess(logits, labels)` makes of them: Transformers'
+    preprocess_logits_for_metrics) and labels (None: none) if wanted."""
     part = Part()
     for batch in batches:
         loss, outputs, labels, samples = forward(batch)
@@ -114,7 +116,13 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool) -> P
             else:
                 part.bad_sum, part.bad_samples = part.bad_sum + value * samples, part.bad_samples + samples
         if want_predictions:
-            logits = model_io.logits_of(outputs, with_loss=loss is not None).detach()
+            logits = model_io.logits_of(outputs, with_loss=loss is not None)
+            if preprocess is not None:
+                logits = preprocess(logits, labels)
+                if not isinstance(logits, torch.Tensor):
+                    raise TypeError(f"preprocess_logits_for_metrics returned {type(logits).__name__}; ddpkit "
+                                    "gathers one tensor a batch: return a tensor (logits.argmax(-1), say)")
+            logits = logits.detach()
             # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
             part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
             if labels is not None:

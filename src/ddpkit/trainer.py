@@ -73,7 +73,8 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
                  eval_dataset: Dataset | None = None, data_collator: Callable | None = None,
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
-                 callbacks: list[TrainerCallback] | None = None, processing_class: Any = None):
+                 callbacks: list[TrainerCallback] | None = None, processing_class: Any = None,
+                 compute_loss_func: Callable | None = None, preprocess_logits_for_metrics: Callable | None = None):
         self.args = args = trainer_arguments(args)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
@@ -101,6 +102,9 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         self.data_collator = data_collator or default_collator(processing_class)  # Transformers' rules (collator.py)
         self.processing_class = processing_class  # a tokenizer, say: saved into checkpoints and by save_model
         self.compute_metrics = compute_metrics
+        # Transformers': loss = compute_loss_func(outputs, labels, num_items_in_batch=...), the model given no labels;
+        # compute_metrics gets preprocess_logits_for_metrics(logits, labels) of each batch instead of its logits.
+        self.compute_loss_func, self.preprocess_logits_for_metrics = compute_loss_func, preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optim.given_optimizers(optimizers, args, self.world.world_size)
         self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
         self.state = self._new_state()
@@ -273,8 +277,8 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
         with self.precision.autocast():
-            if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:  # as Transformers
-                # The model divides its summed loss by the count we pass: its loss is already its share.
+            if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
+                # The model (or compute_loss_func) divides its summed loss by the count we pass: already its share.
                 share = self.compute_loss(model, inputs,
                                           num_items_in_batch=torch.tensor(global_items, device=self.world.device))
             else:
@@ -289,12 +293,25 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | None = None):
-        """The model's loss on `inputs`: the mean over the batch's items (see count_items)."""
-        if num_items_in_batch is not None and isinstance(inputs, Mapping):
+        """The model's loss on `inputs`: the mean over the batch's items (see count_items); with compute_loss_func,
+        what it makes of the outputs of the model called without the labels (num_items_in_batch: the count it
+        divides a sum by, where the model or compute_loss_func takes one)."""
+        labels = None
+        if self.compute_loss_func is not None and isinstance(inputs, Mapping) and "labels" in inputs:
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+        if num_items_in_batch is not None and isinstance(inputs, Mapping) and self.model_accepts_loss_kwargs:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model_io.call_model(model, inputs)
-        loss = model_io.loss_of(outputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = model_io.loss_of(outputs)
         return (loss, outputs) if return_outputs else loss
+
+    def _divides_by_count(self) -> bool:
+        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given (Transformers' rule)."""
+        return self.model_accepts_loss_kwargs or self.compute_loss_func is not None
 
     def count_items(self, batch: Any) -> int:
         """How many items the batch's mean loss averages: labels other than -100 (shifted for a causal LM, as

@@ -72,7 +72,8 @@ class EvaluationMixin:
         batch = self.args.per_device_eval_batch_size
         mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size, batch)
         with evaluation.eval_mode(self.model):
-            part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), forward, want_predictions)
+            part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), forward, want_predictions,
+                                         self.preprocess_logits_for_metrics)
         return part, mine, start
 
     def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
@@ -109,12 +110,15 @@ class EvaluationMixin:
         unshifted labels but sums over shifted ones) not the token mean, as in Transformers' eval_loss and in
         training's logged loss."""
         count = None
-        if self.model_accepts_loss_kwargs and model_io.labels_of(inputs) is not None:
+        if self._divides_by_count() and model_io.labels_of(inputs) is not None:
             # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
             count = torch.tensor(float(self.count_items(batch)), device=self.world.device)
         # (only when there is one: a compute_loss override without the argument, as training calls it)
         counted = {} if count is None else {"num_items_in_batch": count}
-        return self.compute_loss(self.model, inputs, return_outputs=True, **counted)
+        loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
+        if self.compute_loss_func is not None and isinstance(outputs, (list, tuple)):
+            outputs = (loss, *outputs)  # the model got no labels: its tuple holds no loss before the logits
+        return loss, outputs
 
     def _loss_without_labels(self, inputs: Any) -> bool:
         """Transformers' rule for a loss with no label_names at all: the batch's return_loss, else the model's
