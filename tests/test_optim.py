@@ -97,6 +97,10 @@ def shard_world(world, out):
         found[optim] = (type(optimizer).__name__, type(optimizer.optim).__name__,
                         [g["weight_decay"] for g in optimizer.param_groups],
                         [tuple(p.shape) for p in local], optimizer.whole)
+    # Transformers' optimizer_cls_and_kwargs: that class with those arguments, sharded the same way.
+    given = create_optimizer(Net(), args, world.world_size, (torch.optim.SGD, {"lr": 0.3, "momentum": 0.5}))
+    found["given"] = (type(given).__name__, type(given.optim).__name__, given.param_groups[0]["lr"],
+                      given.param_groups[0]["momentum"], given.whole)
     return found
 
 
@@ -110,6 +114,20 @@ def test_under_zero_each_choice_is_sharded_and_adafactor_gets_whole_parameters(t
     # elementwise ones: flat slices, each group halved to the element: 12 -> 6 + 6 (decayed), 9 -> 5 + 4.
     assert not a["sgd"][4] and all(len(shape) == 1 for shape in a["sgd"][3] + b["sgd"][3])
     assert [sum(np.prod(s) for s in rank["sgd"][3]) for rank in (a, b)] == [6 + 5, 6 + 4]
+    assert a["given"] == b["given"] == ("ZeroRedundancyOptimizer", "SGD", 0.3, 0.5, False)
+
+
+def test_optimizer_cls_and_kwargs_is_checked_as_transformers_does(tmp_path):
+    from ddpkit.optim import given_optimizers
+
+    args = TrainingArguments(output_dir=str(tmp_path))
+    for bad in (torch.optim.SGD, (torch.optim.SGD, None), (dict, {}), (torch.optim.SGD, {}, 1)):
+        with pytest.raises(TypeError, match="optimizer_cls_and_kwargs must be"):
+            given_optimizers((None, None), args, 1, bad)
+    built = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="both optimizers and optimizer_cls_and_kwargs"):
+        given_optimizers((built, None), args, 1, (torch.optim.SGD, {"lr": 0.1}))
+    assert given_optimizers((None, None), args, 1, (torch.optim.SGD, {"lr": 0.1})) == (None, None)
 
 
 # Stage 2 also checks that train() returns with the last step's all-gathers finished (model.parameters() final).

@@ -207,3 +207,12 @@ def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp
     trainer.preprocess_logits_for_metrics = lambda logits, labels: (logits, labels)
     with pytest.raises(TypeError, match="preprocess_logits_for_metrics returned tuple"):
         trainer.evaluate(classification_data(10, seed=1))
+
+
+def test_optimizer_cls_and_kwargs_makes_the_trainers_optimizer(tmp_path, local_world):
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=1), classification_data(8),
+                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.3, "momentum": 0.5}))
+    trainer.train()
+    assert type(trainer.optimizer) is torch.optim.SGD
+    assert [(g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.optimizer.param_groups] == \
+        [(0.3, 0.5, 0.0), (0.3, 0.5, 0.0)]  # the constant schedule of trainer_args; no decay on biases

@@ -52,10 +52,17 @@ def no_decay(model: nn.Module) -> set[int]:
     return skipped | {id(p) for name, p in model.named_parameters() if NO_DECAY_NAME.search(name.lower())}
 
 
-def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world_size: int) -> tuple[Any, Any]:
+def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world_size: int,
+                     cls_and_kwargs: Any = None) -> tuple[Any, Any]:
     """Trainer(optimizers=(optimizer, scheduler)) as given, checked against ddp_zero_stage, which shards the
     optimizer the Trainer makes: one the caller built would train unsharded at stage 1 without a word, and at
-    stage 2 (whose wrapper keeps only this rank's shard of the gradients, no .grad) fail at the first backward."""
+    stage 2 (whose wrapper keeps only this rank's shard of the gradients, no .grad) fail at the first backward.
+    cls_and_kwargs (Transformers' optimizer_cls_and_kwargs) is checked too: a class and a dict, and not beside
+    an optimizer (Transformers refuses the two together)."""
+    if cls_and_kwargs is not None:
+        _check_cls_and_kwargs(cls_and_kwargs)
+        if optimizers[0] is not None:
+            raise RuntimeError("Trainer got both optimizers and optimizer_cls_and_kwargs: pass one of them")
     optimizer, stage = optimizers[0], args.ddp_zero_stage if world_size > 1 else 0
     if optimizer is None or stage == 0 or (stage == 1 and isinstance(optimizer, ZeroRedundancyOptimizer)):
         return optimizers
@@ -67,16 +74,27 @@ def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world
                         ", or set ddp_zero_stage=0")
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int = 1) -> torch.optim.Optimizer:
-    """args.optim, with weight decay on every parameter but biases and norms (`no_decay`). Under ddp_zero_stage
-    1 or 2 (and more than one rank) each rank keeps the state of its shard only (ddpkit.zero; adafactor, which
-    needs whole tensors, gets whole parameters there)."""
+def _check_cls_and_kwargs(given: Any) -> None:
+    pair = isinstance(given, tuple) and len(given) == 2
+    if not (pair and isinstance(given[0], type) and issubclass(given[0], torch.optim.Optimizer)
+            and isinstance(given[1], dict)):
+        raise TypeError("optimizer_cls_and_kwargs must be (an optimizer class, a dict of its keyword arguments), "
+                        f"such as (torch.optim.SGD, {{'lr': 0.1}}); got {given!r}")
+
+
+def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int = 1,
+                     cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None
+                     ) -> torch.optim.Optimizer:
+    """args.optim (or the class and its keyword arguments of `cls_and_kwargs`, Transformers'
+    optimizer_cls_and_kwargs), with weight decay on every parameter but biases and norms (`no_decay`). Under
+    ddp_zero_stage 1 or 2 (and more than one rank) each rank keeps the state of its shard only (ddpkit.zero;
+    adafactor, and any class not known to be elementwise, gets whole parameters there)."""
     params = [p for p in model.parameters() if p.requires_grad]
     skipped = no_decay(model)
     groups = [{"params": [p for p in params if id(p) not in skipped], "weight_decay": args.weight_decay},
               {"params": [p for p in params if id(p) in skipped], "weight_decay": 0.0}]
     stage = args.ddp_zero_stage if world_size > 1 else 0
-    cls, options = optimizer_class(args)
+    cls, options = optimizer_class(args) if cls_and_kwargs is None else cls_and_kwargs
     return apply_zero([g for g in groups if g["params"]], stage, cls, **options)
 
 

@@ -74,7 +74,8 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
                  callbacks: list[TrainerCallback] | None = None, processing_class: Any = None,
-                 compute_loss_func: Callable | None = None, preprocess_logits_for_metrics: Callable | None = None):
+                 compute_loss_func: Callable | None = None, preprocess_logits_for_metrics: Callable | None = None,
+                 optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None):
         self.args = args = trainer_arguments(args)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
@@ -105,7 +106,9 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         # Transformers': loss = compute_loss_func(outputs, labels, num_items_in_batch=...), the model given no labels;
         # compute_metrics gets preprocess_logits_for_metrics(logits, labels) of each batch instead of its logits.
         self.compute_loss_func, self.preprocess_logits_for_metrics = compute_loss_func, preprocess_logits_for_metrics
-        self.optimizer, self.lr_scheduler = optim.given_optimizers(optimizers, args, self.world.world_size)
+        self.optimizer, self.lr_scheduler = optim.given_optimizers(optimizers, args, self.world.world_size,
+                                                                   optimizer_cls_and_kwargs)
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs  # what create_optimizer makes, else args.optim
         self._made_scheduler = False  # create_scheduler made lr_scheduler: each train() call makes it anew
         self.state = self._new_state()
         self.reporter = Reporter(args.output_dir, args.reporters, is_main=self.world.is_main)
@@ -134,9 +137,11 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """args.optim; biases and norms get no weight decay (Transformers' rule: optim.no_decay)."""
+        """args.optim, or optimizer_cls_and_kwargs's; biases and norms get no weight decay (Transformers' rule:
+        optim.no_decay)."""
         if self.optimizer is None:
-            self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size)
+            self.optimizer = optim.create_optimizer(self.model, self.args, self.world.world_size,
+                                                    self.optimizer_cls_and_kwargs)
         return self.optimizer
 
     def create_scheduler(self, total_steps: int) -> Any:
