@@ -134,3 +134,19 @@ def test_a_causal_lm_trains_as_in_transformers_however_the_global_batch_is_split
         assert losses == pytest.approx(truth_losses, rel=1e-6)  # Transformers upcasts the logits to float32
         for got, want in zip(params, truth):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_batch_encoding_is_counted_and_moved_as_a_mapping():
+    """DataCollatorWithPadding returns a BatchEncoding, a Mapping that is not a dict: torch's pytree took it for a
+    leaf, so a batch counted 1 sample (the epoch, the samples/s and a resume's position drifted) and its tensors
+    stayed where they were (off the GPU). Its type is kept, as Transformers' Trainer keeps it."""
+    from collections import UserDict
+
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding({"input_ids": torch.zeros(4, 6, dtype=torch.long), "labels": torch.ones(4)})
+    assert model_io.batch_len(batch) == model_io.batch_len([batch]) == 4
+    assert model_io.batch_len({"x": UserDict({"y": torch.zeros(3, 2)})}) == 3
+    assert model_io.count_items(batch) == 4
+    moved = model_io.to_device({"a": [batch], "b": (torch.zeros(2),)}, torch.device("meta"))
+    assert type(moved["a"][0]) is transformers.BatchEncoding and moved["a"][0]["input_ids"].device.type == "meta"
+    assert moved["b"][0].device.type == "meta"

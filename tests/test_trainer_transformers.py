@@ -162,6 +162,8 @@ def test_a_tokenizer_as_processing_class_pads_and_is_saved_as_transformers_does(
     assert isinstance(trainer.data_collator, transformers.DataCollatorWithPadding) and seen == []
     trainer.train()
     assert seen == [tokenizer]
+    # 2 steps of 4 padded samples (a BatchEncoding each, which counted as 1 sample before): 8 of the 12.
+    assert abs(trainer.state.epoch - 8 / 12) < 1e-9
     load_checkpoint(str(tmp_path / "checkpoint-2"))  # every file as its marker says, the tokenizer's included
     trainer.save_model(str(tmp_path / "final"))
     for folder in (tmp_path / "checkpoint-2", tmp_path / "final"):

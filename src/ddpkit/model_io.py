@@ -8,7 +8,7 @@ object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -76,11 +76,22 @@ def labels_of(inputs: Any) -> torch.Tensor | None:
 
 def batch_len(batch: Any) -> int:
     """Samples in the batch: the first dimension of its first tensor that has one."""
-    leaves, _ = tree_flatten(batch)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
-            return leaf.shape[0]
-    return 1
+    return next((t.shape[0] for t in _tensors(batch) if t.ndim > 0), 1)
+
+
+def _foreign_mapping(value: Any) -> bool:
+    """A Mapping that is not a dict (Transformers' BatchEncoding, which DataCollatorWithPadding returns; a
+    UserDict): torch's pytree takes one for a leaf, so its tensors would be neither counted nor moved."""
+    return isinstance(value, Mapping) and not isinstance(value, dict)
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The batch's tensors in pytree order, those in foreign Mappings included."""
+    for leaf in tree_flatten(batch, is_leaf=_foreign_mapping)[0]:
+        if _foreign_mapping(leaf):
+            yield from _tensors(dict(leaf))
+        elif isinstance(leaf, torch.Tensor):
+            yield leaf
 
 
 def count_items(batch: Any, shifted: bool = False) -> int:
@@ -134,7 +145,19 @@ def loss_shifts_labels(model: nn.Module) -> bool:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+    """The batch's tensors on `device`, its containers kept (a BatchEncoding stays one, as Transformers moves it)."""
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        if _foreign_mapping(value):
+            moved = {key: to_device(item, device) for key, item in value.items()}
+            try:
+                return type(value)(moved)  # BatchEncoding's and UserDict's constructors take a dict
+            except TypeError:
+                return moved
+        return value
+
+    return tree_map(move, batch, is_leaf=_foreign_mapping)
 
 
 __all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
