@@ -218,3 +218,33 @@ def test_optimizer_cls_and_kwargs_makes_the_trainers_optimizer(tmp_path, local_w
     assert type(trainer.optimizer) is torch.optim.SGD
     assert [(g["lr"], g["momentum"], g["weight_decay"]) for g in trainer.optimizer.param_groups] == \
         [(0.3, 0.5, 0.0), (0.3, 0.5, 0.0)]  # the constant schedule of trainer_args; no decay on biases
+
+
+def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tmp_path, local_world):
+    """processing_class saves first: a file name it shares with the checkpoint (config.json) ends as ddpkit's, and
+    every file it adds is in the marker; one that writes a folder fails the save, leaving no checkpoint behind."""
+    from ddpkit.checkpoint import load_checkpoint
+    from ddpkit.integrity import CheckpointError
+
+    class Processor:
+        def __init__(self, folder=False):
+            self.folder = folder
+
+        def save_pretrained(self, path):
+            for name in ("config.json", "processor_extra.json"):
+                with open(os.path.join(path, name), "w") as f:
+                    f.write('{"mine": true}')
+            if self.folder:
+                os.makedirs(os.path.join(path, "sub"))
+
+    model = gpt2()
+    args = trainer_args(tmp_path / "ok", max_steps=1, save_strategy="steps", save_steps=1)
+    Trainer(model, args, sequences(4), processing_class=Processor()).train()
+    load_checkpoint(str(tmp_path / "ok" / "checkpoint-1"))  # every file as its marker says
+    with open(tmp_path / "ok" / "checkpoint-1" / "config.json") as f:
+        assert json.load(f)["model_type"] == "gpt2"
+    assert os.path.isfile(tmp_path / "ok" / "checkpoint-1" / "processor_extra.json")
+    args = trainer_args(tmp_path / "bad", max_steps=1, save_strategy="steps", save_steps=1)
+    with pytest.raises(CheckpointError, match=r"wrote \['sub'\] into the checkpoint"):
+        Trainer(gpt2(), args, sequences(4), processing_class=Processor(folder=True)).train()
+    assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith("checkpoint-")]

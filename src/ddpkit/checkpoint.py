@@ -95,16 +95,13 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
     ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
     sums = dict(crc32 or {})
+    processed = _save_processor(processor, folder)  # first: a name ddpkit writes too (config.json) is then ddpkit's
     save_weights_file(model, os.path.join(folder, MODEL_FILE))
     # safetensors writes the file itself (in Rust), so its checksum is read back once, from the page cache.
     sums[MODEL_FILE] = file_crc32(os.path.join(folder, MODEL_FILE))
     for name, config in _configs(model).items():  # from_pretrained(the folder) loads it, as a Transformers one
         config.save_pretrained(folder)
         sums[name] = file_crc32(os.path.join(folder, name))
-    if processor is not None:  # a tokenizer or processor: the files its save_pretrained writes, whatever they are
-        before = set(os.listdir(folder))
-        processor.save_pretrained(folder)
-        sums.update({name: file_crc32(os.path.join(folder, name)) for name in set(os.listdir(folder)) - before})
     # The scaler is the same on every rank: the ranks agree on every skip (ddpkit.precision).
     for name, source in ((SCALER_FILE, scaler), (OPTIMIZER_FILE, optimizer), (SCHEDULER_FILE, scheduler)):
         if source is not None:
@@ -118,6 +115,7 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     if ddpkit_state is not None:
         sums[DDPKIT_STATE_FILE] = write_json(os.path.join(folder, DDPKIT_STATE_FILE), ddpkit_state)
     sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
+    sums.update({name: file_crc32(os.path.join(folder, name)) for name in processed if name not in sums})
     names = os.listdir(folder)
     for name in names:
         fsync_path(os.path.join(folder, name))
@@ -125,6 +123,21 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
     marker = manifest(folder, names, step, crc32=sums)
     write_json(os.path.join(folder, MARKER_FILE), marker if run is None else {**marker, "run": run})
     fsync_path(folder)
+
+
+def _save_processor(processor: Any, folder: str) -> set[str]:
+    """The Trainer's processing_class (a tokenizer) saved by its save_pretrained into the folder: the names of
+    the files it wrote, whatever they are (none without one)."""
+    if processor is None:
+        return set()
+    before = set(os.listdir(folder))
+    processor.save_pretrained(folder)
+    written = set(os.listdir(folder)) - before
+    folders = sorted(name for name in written if not os.path.isfile(os.path.join(folder, name)))
+    if folders:
+        raise CheckpointError(f"{type(processor).__name__}.save_pretrained wrote {folders} into the checkpoint, "
+                              "which holds files only: save it yourself (processing_class=None)")
+    return written
 
 
 def _configs(model: torch.nn.Module) -> dict[str, Any]:
