@@ -23,7 +23,7 @@ def test_items_are_the_labels_transformers_counts():
     assert model_io.count_items({"x": torch.zeros(3, 2)}, shifted=True) == 3  # no labels: the samples
 
 
-def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_does():
+def test_loss_kwargs_and_shifted_labels_are_read_off_the_model():
     class Plain(nn.Module):
         def forward(self, x, labels=None):
             return x
@@ -42,12 +42,20 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_d
     class PreTrainedModel(nn.Module):  # stands for Transformers' base class, known by its name
         pass
 
-    class Transformers(PreTrainedModel, Keywords):
+    class Transformers(PreTrainedModel, Keywords):  # a BertForSequenceClassification: **kwargs, a mean loss
         pass
 
-    # A plain module's **kwargs is no sign it divides by the count (it may drop it): only a Transformers model's
-    assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses, Transformers)] == [
-        False, False, True, False, True]
+    class Hands(PreTrainedModel):  # a GPT2LMHeadModel: its **kwargs go to the loss, which divides by the count
+        def forward(self, x, labels=None, **rest):
+            return self.loss_function(x, labels, vocab_size=3, **rest)
+
+    class Keeps(PreTrainedModel):  # a LlamaForSequenceClassification: loss_function without the **kwargs
+        def forward(self, x, labels=None, **kwargs):
+            return self.loss_function(logits=x, labels=labels, config=None)
+
+    # A **kwargs is no sign the loss divides by the count (it may drop it): only one handed on to the loss is
+    assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses, Transformers, Hands,
+                                                        Keeps)] == [False, False, True, False, False, True, False]
     causal, encoder_decoder = Plain(), Plain()
     causal.loss_type = encoder_decoder.loss_type = "ForCausalLM"
     encoder_decoder.config = type("Config", (), {"is_encoder_decoder": True})()
@@ -64,7 +72,7 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model_as_transformers_d
         def forward(self, *args, **kwargs):
             return self.base(*args, **kwargs)
 
-    assert model_io.accepts_loss_kwargs(Peft(Transformers())) and model_io.loss_shifts_labels(Peft(causal))
+    assert model_io.accepts_loss_kwargs(Peft(Hands())) and model_io.loss_shifts_labels(Peft(causal))
 
 
 LENGTHS = [3, 9, 2, 12, 5, 7, 4, 10]  # 52 labels, 44 of them after the first of each row
@@ -150,3 +158,32 @@ def test_a_batch_encoding_is_counted_and_moved_as_a_mapping():
     moved = model_io.to_device({"a": [batch], "b": (torch.zeros(2),)}, torch.device("meta"))
     assert type(moved["a"][0]) is transformers.BatchEncoding and moved["a"][0]["input_ids"].device.type == "meta"
     assert moved["b"][0].device.type == "meta"
+
+
+def bert_world(world, out, batch):
+    import transformers
+
+    from ddpkit.trainer import Trainer
+
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).double()
+    g = torch.Generator().manual_seed(4)
+    data = [{"input_ids": torch.randint(1, 40, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(8)]
+    args = trainer_args(out, per_device_train_batch_size=batch, **{**STEPS, "max_grad_norm": 1.0})
+    trainer = Trainer(model, args, data)
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
+
+
+def test_a_mean_loss_behind_transformers_kwargs_is_one_process_s_on_any_world_size(tmp_path):
+    """BertForSequenceClassification takes **kwargs but returns a mean (CrossEntropyLoss()): read by Transformers'
+    rule as a sum over the count, it trained 2 ranks x batch 4 on twice one process's loss and gradients (1.386
+    against 0.693 logged; clipped at max_grad_norm accordingly)."""
+    pytest.importorskip("transformers")
+    (one,) = run_world(bert_world, 1, args=(str(tmp_path / "one"), 8))
+    for losses, params in run_world(bert_world, 2, args=(str(tmp_path / "two"), 4)):
+        assert losses == pytest.approx(one[0], rel=1e-9)
+        for got, want in zip(params, one[1]):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

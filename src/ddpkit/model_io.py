@@ -7,7 +7,9 @@ object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -117,16 +119,39 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def accepts_loss_kwargs(model: nn.Module) -> bool:
     """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: its
-    `accepts_loss_kwargs` if it says, else a parameter of that name, or, for a Transformers model (whose losses
-    take it through **kwargs: Transformers' Trainer's rule), a **kwargs. A plain module's **kwargs is no sign:
-    one that dropped the count would return a mean taken for its share, and train at the wrong scale."""
+    `accepts_loss_kwargs` if it says, else a parameter of that name, or, for a Transformers model, a forward that
+    hands its **kwargs (where the count arrives) to self.loss_function, whose losses divide by it.
+
+    Transformers' Trainer takes any **kwargs of a Transformers model for a yes. But BertForSequenceClassification,
+    LlamaForSequenceClassification and many more take **kwargs and return a mean (CrossEntropyLoss(), or
+    loss_function without the kwargs): there that mean is taken for a share of the global loss, and N ranks
+    train on N times a single process's loss and gradients. A no is always safe: the count then never reaches
+    the model, whose loss functions fall back to their mean, which the Trainer scales by the items itself."""
     model = unwrapped(model)
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     parameters = inspect.signature(model.forward).parameters
     transformers_model = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
-    return "num_items_in_batch" in parameters or transformers_model and any(
-        p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return "num_items_in_batch" in parameters or transformers_model and _hands_count_to_loss(type(model).forward)
+
+
+def _hands_count_to_loss(forward: Any) -> bool:
+    """Whether `forward` passes its **kwargs, or num_items_in_batch by name, to a self.loss_function(...) call
+    (read from its source; False where there is none to read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    function = next((node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if function is None or function.args.kwarg is None:
+        return False
+    rest = function.args.kwarg.arg
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "loss_function":
+            if any(kw.arg == "num_items_in_batch" or (kw.arg is None and isinstance(kw.value, ast.Name)
+                                                     and kw.value.id == rest) for kw in node.keywords):
+                return True
+    return False
 
 
 def loss_shifts_labels(model: nn.Module) -> bool:
