@@ -220,11 +220,12 @@ def test_args_module_imports_only_the_rank_question_of_env():
 
     with open(module.__file__, encoding="utf-8") as f:
         source = f.read()
-    # One exception: to show a command-line error once, not once per rank, it hands it to env.py (the one module
-    # that reads the launcher's variables, and the lowest layer).
+    # It reaches the launcher's variables (env.py, the lowest layer) in two ways only: through args_process (the
+    # process facts a script reads off the arguments), and to show a command-line error once, not once per rank.
     local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
              and line.lstrip().startswith(("import", "from"))]
     assert local == ["from .args_foreign import explain, foreign_flag, without_foreign",
+                     "from .args_process import ProcessMixin",
                      "from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
                      "validate",
                      "from .env import report_startup_error  # the one module that knows the launcher (rank, "

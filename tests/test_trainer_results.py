@@ -63,3 +63,40 @@ def test_metrics_are_formatted_by_transformers_rules_and_other_ranks_do_nothing(
     other.optimizer = None
     with pytest.raises(ValueError, match="no optimizer yet"):
         other.get_learning_rates()
+
+
+def test_a_script_reads_the_process_off_its_arguments_and_writes_a_model_card(tmp_path, local_world, monkeypatch):
+    """What Transformers' example scripts read off TrainingArguments before any Trainer (they crashed on the first:
+    should_log), and create_model_card, which they call where push_to_hub is False."""
+    from ddpkit.args_process import ParallelMode
+
+    args = trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=2, eval_strategy="steps", eval_steps=2)
+    assert (args.process_index, args.local_process_index, args.world_size, args.n_gpu) == (0, 0, 1, 0)
+    assert args.device == torch.device("cpu") and args.parallel_mode is ParallelMode.NOT_PARALLEL
+    assert args.should_log and args.should_save and args.push_to_hub is False
+    assert isinstance(args.get_process_log_level(), int)
+    with args.main_process_first(desc="tokenizing"):  # a world of one: no process group is needed
+        assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert (args.process_index, args.local_process_index, args.world_size) == (3, 1, 4)
+    assert args.parallel_mode.value == "distributed" and not args.should_log and not args.should_save
+    assert args.get_process_log_level() == 30  # WARNING on the processes that do not log
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+
+    trainer = Trainer(Classifier().double(), args, classification_data(16), eval_dataset=classification_data(4))
+    trainer.train()
+    trainer.create_model_card(finetuned_from="tiny-base", tasks="text-classification", dataset="synthetic",
+                              tags="test", license="mit")
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith('---\nlibrary_name: "ddpkit"\nbase_model: "tiny-base"\nlicense: "mit"\n')
+    assert 'tags: ["ddpkit", "test"]' in card and 'pipeline_tag: "text-classification"' in card
+    assert "trained with ddpkit's Trainer, from tiny-base, on synthetic." in card
+    assert "- total_train_batch_size: 4" in card and "- training_steps: 2" in card
+    eval_loss = next(e["eval_loss"] for e in reversed(trainer.state.log_history) if "eval_loss" in e)
+    assert f"| 2 | eval_loss | {eval_loss:.4g} |" in card

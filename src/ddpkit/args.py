@@ -7,7 +7,7 @@
 Each field's help lives in its metadata and becomes its ``--help`` line, so the two cannot drift. Invalid values
 and contradictory combinations raise `ArgumentError` naming the field as soon as the dataclass is built, which
 is before any process group exists. Transformers' fields that ddpkit has not are refused with what to do
-instead (ddpkit.args_foreign). Of ddpkit, this module imports only ddpkit.validation and ddpkit.args_foreign.
+instead (args_foreign); the process facts a script reads off them (device, should_log) are args_process's.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Union
 
 
 from .args_foreign import explain, foreign_flag, without_foreign
+from .args_process import ProcessMixin
 from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
 
@@ -36,7 +37,7 @@ def _field(default: Any, help: str, **metadata: Any) -> Any:
 
 
 @dataclasses.dataclass
-class TrainingArguments:
+class TrainingArguments(ProcessMixin):
     """Hyper-parameters of one run. Sizes are per process ("per device") unless the help says global."""
 
     output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")

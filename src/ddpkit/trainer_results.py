@@ -6,6 +6,7 @@ after `train()`:
     trainer.log_metrics("train", result.metrics)     # printed on rank 0, formatted as Transformers prints them
     trainer.save_metrics("train", result.metrics)    # output_dir/train_results.json and all_results.json
     trainer.save_state()                             # output_dir/trainer_state.json
+    trainer.create_model_card(finetuned_from="gpt2") # output_dir/README.md: how it was trained, its results
 
 Rank 0 prints and writes; every file is replaced whole (ddpkit.atomic), never left half-written. Nothing here
 is a collective: any rank may call these, and only rank 0 acts.
@@ -93,6 +94,35 @@ class ResultsMixin:
             os.makedirs(self.args.output_dir, exist_ok=True)
         self.saves.write_final_state(self.state)
 
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None) -> None:
+        """output_dir/README.md: a model card (Transformers' arguments in its metadata header, then how the model
+        was trained and its last results, from args and state.log_history). Rank 0 writes."""
+        if not self.is_world_process_zero():
+            return
+        name = model_name or os.path.basename(os.path.abspath(self.args.output_dir))
+        header = {"library_name": "ddpkit", "base_model": finetuned_from, "language": language, "license": license,
+                  "tags": ["ddpkit", *_listed(tags)], "datasets": _listed(dataset_tags) or None,
+                  "pipeline_tag": _listed(tasks)[0] if tasks else None}
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with replacing(os.path.join(self.args.output_dir, "README.md")) as f:
+            f.write(model_card(name, header, self._hyperparameters(), self.state.log_history,
+                               finetuned_from, " ".join(_listed(dataset)) or None))
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        args, world = self.args, self.world.world_size
+        return {"learning_rate": args.learning_rate, "train_batch_size (per process)": args.per_device_train_batch_size,
+                "eval_batch_size (per process)": args.per_device_eval_batch_size, "processes": world,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "total_train_batch_size": args.train_batch_size(world), "seed": args.seed,
+                "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else args.optim,
+                "lr_scheduler_type": args.lr_scheduler_type, "training_steps": self.state.global_step,
+                "epochs": round(self.state.epoch, 4), "mixed_precision": "bf16" if args.bf16 else
+                "fp16" if args.fp16 else "no", "zero_stage": args.ddp_zero_stage}
+
     def get_num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
@@ -104,9 +134,34 @@ class ResultsMixin:
         return [group["lr"] for group in self.optimizer.param_groups]
 
 
+def model_card(name: str, header: dict[str, Any], hyperparameters: dict[str, Any], log_history: list[dict],
+               base: str | None = None, dataset: str | None = None) -> str:
+    """A model card's markdown: a metadata header (the entries that are set), how the model was trained, and the
+    last training loss and evaluation metrics logged."""
+    lines = ["---"] + [f"{key}: {json.dumps(value)}" for key, value in header.items() if value is not None]
+    lines += ["---", "", f"# {name}", "", "This model was trained with ddpkit's Trainer"
+              + (f", from {base}" if base else "") + (f", on {dataset}" if dataset else "") + ".", "",
+              "## Training hyperparameters", ""]
+    lines += [f"- {key}: {value}" for key, value in hyperparameters.items()]
+    losses = [entry for entry in log_history if "loss" in entry]
+    evaluations = [entry for entry in log_history if any(key.startswith("eval_") for key in entry)]
+    if losses or evaluations:
+        lines += ["", "## Results", "", "| logged at step | what | value |", "|---|---|---|"]
+        if losses:
+            lines.append(f"| {losses[-1]['step']} | training loss | {losses[-1]['loss']:.4f} |")
+        for key, value in (evaluations[-1].items() if evaluations else ()):
+            if key.startswith("eval_") and isinstance(value, (int, float)):
+                lines.append(f"| {evaluations[-1]['step']} | {key} | {value:.4g} |")
+    return "\n".join(lines) + "\n"
+
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
 def _write(path: str, values: dict[str, Any]) -> None:
     with replacing(path) as f:
         json.dump(values, f, indent=4, sort_keys=True)
 
 
-__all__ = ["ResultsMixin", "metrics_format"]
+__all__ = ["ResultsMixin", "metrics_format", "model_card"]
