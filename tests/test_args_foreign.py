@@ -26,7 +26,7 @@ def test_the_table_names_transformers_fields_that_ddpkit_has_not_with_their_defa
 def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), do_train=True, run_name="r", local_rank=0,
                              push_to_hub=False, log_level="passive", average_tokens_across_devices=True)
-    assert (args.do_train, args.run_name) == (True, "r") and not hasattr(args, "push_to_hub")
+    assert (args.do_train, args.run_name) == (True, "r") and not hasattr(args, "log_level")
     for kwargs, hint in ((dict(fsdp="full_shard"), "ddp_zero_stage=1 or 2"),
                          (dict(label_smoothing_factor=0.1), "does not implement it"),
                          (dict(average_tokens_across_devices=False), "items of every rank's batches"),
