@@ -45,9 +45,17 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model():
     class Transformers(PreTrainedModel, Keywords):  # a BertForSequenceClassification: **kwargs, a mean loss
         pass
 
+    def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None):  # noqa: N802 - Transformers' name
+        return logits
+
     class Hands(PreTrainedModel):  # a GPT2LMHeadModel: its **kwargs go to the loss, which divides by the count
+        loss_function = staticmethod(ForCausalLMLoss)
+
         def forward(self, x, labels=None, **rest):
             return self.loss_function(x, labels, vocab_size=3, **rest)
+
+    class Ignores(Hands):  # a CTC head: its **kwargs go to a loss that takes no count
+        loss_function = staticmethod(lambda logits, labels, vocab_size, **kwargs: logits)
 
     class Keeps(PreTrainedModel):  # a LlamaForSequenceClassification: loss_function without the **kwargs
         def forward(self, x, labels=None, **kwargs):
@@ -55,7 +63,8 @@ def test_loss_kwargs_and_shifted_labels_are_read_off_the_model():
 
     # A **kwargs is no sign the loss divides by the count (it may drop it): only one handed on to the loss is
     assert [model_io.accepts_loss_kwargs(m()) for m in (Plain, Keywords, Named, Refuses, Transformers, Hands,
-                                                        Keeps)] == [False, False, True, False, False, True, False]
+                                                        Keeps, Ignores)] == [False, False, True, False, False, True,
+                                                                             False, False]
     causal, encoder_decoder = Plain(), Plain()
     causal.loss_type = encoder_decoder.loss_type = "ForCausalLM"
     encoder_decoder.config = type("Config", (), {"is_encoder_decoder": True})()
@@ -187,3 +196,25 @@ def test_a_mean_loss_behind_transformers_kwargs_is_one_process_s_on_any_world_si
         assert losses == pytest.approx(one[0], rel=1e-9)
         for got, want in zip(params, one[1]):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_the_count_reaches_only_the_transformers_losses_that_divide_by_it():
+    """A forward handing its **kwargs to loss_function is not enough: a ViT regression or multi-label head (MSE,
+    BCE: means), a CTC head and a mixture of experts' router loss (a mean added) do not divide by the count; a
+    single-label problem does only where the config names it (None is decided from the labels at the call)."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    vit = dict(small, image_size=8, patch_size=4)
+    single = "single_label_classification"
+    found = [model_io.accepts_loss_kwargs(model) for model in (
+        transformers.ViTForImageClassification(transformers.ViTConfig(**vit)),
+        transformers.ViTForImageClassification(transformers.ViTConfig(**vit, problem_type=single)),
+        transformers.ViTForImageClassification(transformers.ViTConfig(**vit, num_labels=1, problem_type="regression")),
+        transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(**small, vocab_size=10, conv_dim=(8, 8),
+                                                                conv_stride=(2, 2), conv_kernel=(3, 3),
+                                                                num_conv_pos_embeddings=4,
+                                                                num_conv_pos_embedding_groups=2)),
+        transformers.MixtralForCausalLM(transformers.MixtralConfig(**small, vocab_size=30, num_key_value_heads=2,
+                                                                   num_local_experts=2, output_router_logits=True)),
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, vocab_size=30)))]
+    assert found == [False, True, False, False, False, True]

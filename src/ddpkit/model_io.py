@@ -120,19 +120,38 @@ def unwrapped(model: nn.Module) -> nn.Module:
 def accepts_loss_kwargs(model: nn.Module) -> bool:
     """Whether the model's forward takes num_items_in_batch and divides its summed loss by it: its
     `accepts_loss_kwargs` if it says, else a parameter of that name, or, for a Transformers model, a forward that
-    hands its **kwargs (where the count arrives) to self.loss_function, whose losses divide by it.
+    hands its **kwargs (where the count arrives) to self.loss_function, where that is a loss that divides by it
+    (_divides_by_count).
 
     Transformers' Trainer takes any **kwargs of a Transformers model for a yes. But BertForSequenceClassification,
-    LlamaForSequenceClassification and many more take **kwargs and return a mean (CrossEntropyLoss(), or
-    loss_function without the kwargs): there that mean is taken for a share of the global loss, and N ranks
-    train on N times a single process's loss and gradients. A no is always safe: the count then never reaches
-    the model, whose loss functions fall back to their mean, which the Trainer scales by the items itself."""
+    LlamaForSequenceClassification, a ViT regression, a CTC head and many more take **kwargs and return a mean
+    (CrossEntropyLoss(), MSELoss(), a loss_function without the kwargs or one that ignores them): that mean is then
+    taken for a share of the global loss, and N ranks with k micro-batches a step train on k x N times a single
+    process's loss and gradients. A no is always safe: the count then never reaches the model, whose loss
+    functions fall back to their mean, which the Trainer scales by the items itself."""
     model = unwrapped(model)
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     parameters = inspect.signature(model.forward).parameters
     transformers_model = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
-    return "num_items_in_batch" in parameters or transformers_model and _hands_count_to_loss(type(model).forward)
+    return "num_items_in_batch" in parameters or transformers_model and _hands_count_to_loss(type(model).forward) \
+        and _divides_by_count(model)
+
+
+# Transformers' losses that divide their sum by num_items_in_batch whatever the configuration (loss.loss_utils).
+COUNTING_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss", "ForTokenClassification")
+
+
+def _divides_by_count(model: nn.Module) -> bool:
+    """Whether the model's loss_function divides by the count: a counting loss, without a mixture of experts'
+    router loss added (a mean, as Transformers adds it); the sequence classifiers' only for a single-label problem
+    named in the config (None is decided from the labels at the call; regression and multi-label take means)."""
+    config = getattr(model, "config", None)
+    name = getattr(getattr(model, "loss_function", None), "__name__", None)
+    if name in COUNTING_LOSSES:
+        return not getattr(config, "output_router_logits", False)
+    return name == "ForSequenceClassificationLoss" and getattr(config, "problem_type", None) == \
+        "single_label_classification"
 
 
 def _hands_count_to_loss(forward: Any) -> bool:
