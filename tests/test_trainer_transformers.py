@@ -222,29 +222,26 @@ def test_optimizer_cls_and_kwargs_makes_the_trainers_optimizer(tmp_path, local_w
 
 def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tmp_path, local_world):
     """processing_class saves first: a file name it shares with the checkpoint (config.json) ends as ddpkit's, and
-    every file it adds is in the marker; one that writes a folder fails the save, leaving no checkpoint behind."""
+    every file it adds is in the marker, in a subfolder too (a tokenizer with several chat templates writes
+    additional_chat_templates/, which failed every save), so a changed byte there is found at load."""
     from ddpkit.checkpoint import load_checkpoint
     from ddpkit.integrity import CheckpointError
 
     class Processor:
-        def __init__(self, folder=False):
-            self.folder = folder
-
         def save_pretrained(self, path):
-            for name in ("config.json", "processor_extra.json"):
+            os.makedirs(os.path.join(path, "templates"), exist_ok=True)
+            for name in ("config.json", "processor_extra.json", os.path.join("templates", "tool_use.jinja")):
                 with open(os.path.join(path, name), "w") as f:
                     f.write('{"mine": true}')
-            if self.folder:
-                os.makedirs(os.path.join(path, "sub"))
 
-    model = gpt2()
-    args = trainer_args(tmp_path / "ok", max_steps=1, save_strategy="steps", save_steps=1)
-    Trainer(model, args, sequences(4), processing_class=Processor()).train()
-    load_checkpoint(str(tmp_path / "ok" / "checkpoint-1"))  # every file as its marker says
-    with open(tmp_path / "ok" / "checkpoint-1" / "config.json") as f:
+    args = trainer_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    Trainer(gpt2(), args, sequences(4), processing_class=Processor()).train()
+    folder = tmp_path / "checkpoint-1"
+    load_checkpoint(str(folder))  # every file as its marker says
+    with open(folder / "config.json") as f:
         assert json.load(f)["model_type"] == "gpt2"
-    assert os.path.isfile(tmp_path / "ok" / "checkpoint-1" / "processor_extra.json")
-    args = trainer_args(tmp_path / "bad", max_steps=1, save_strategy="steps", save_steps=1)
-    with pytest.raises(CheckpointError, match=r"wrote \['sub'\] into the checkpoint"):
-        Trainer(gpt2(), args, sequences(4), processing_class=Processor(folder=True)).train()
-    assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith("checkpoint-")]
+    with open(folder / "checkpoint_complete.json") as f:
+        assert {"processor_extra.json", "templates/tool_use.jinja"} <= set(json.load(f)["crc32"])
+    (folder / "templates" / "tool_use.jinja").write_text('{"mine": fals}')
+    with pytest.raises(CheckpointError, match="templates/tool_use.jinja"):
+        load_checkpoint(str(folder))

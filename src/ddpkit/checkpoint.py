@@ -116,9 +116,11 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
         sums[DDPKIT_STATE_FILE] = write_json(os.path.join(folder, DDPKIT_STATE_FILE), ddpkit_state)
     sums[TRAINER_STATE_FILE] = write_json(os.path.join(folder, TRAINER_STATE_FILE), trainer_state)
     sums.update({name: file_crc32(os.path.join(folder, name)) for name in processed if name not in sums})
-    names = os.listdir(folder)
+    names = sorted(_files_in(folder))
     for name in names:
         fsync_path(os.path.join(folder, name))
+    for sub in {os.path.dirname(name) for name in names} - {""}:  # a processor's subfolders: their entries too
+        fsync_path(os.path.join(folder, sub))
     # Last, once every other byte is on disk: a folder without the marker is not a checkpoint (checkpoint_step).
     marker = manifest(folder, names, step, crc32=sums)
     write_json(os.path.join(folder, MARKER_FILE), marker if run is None else {**marker, "run": run})
@@ -126,18 +128,18 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
 
 
 def _save_processor(processor: Any, folder: str) -> set[str]:
-    """The Trainer's processing_class (a tokenizer) saved by its save_pretrained into the folder: the names of
-    the files it wrote, whatever they are (none without one)."""
+    """The Trainer's processing_class (a tokenizer) saved by its save_pretrained into the folder: the files it
+    wrote, whatever they are, in subfolders too (a tokenizer's additional_chat_templates/); none without one."""
     if processor is None:
         return set()
-    before = set(os.listdir(folder))
+    before = _files_in(folder)
     processor.save_pretrained(folder)
-    written = set(os.listdir(folder)) - before
-    folders = sorted(name for name in written if not os.path.isfile(os.path.join(folder, name)))
-    if folders:
-        raise CheckpointError(f"{type(processor).__name__}.save_pretrained wrote {folders} into the checkpoint, "
-                              "which holds files only: save it yourself (processing_class=None)")
-    return written
+    return _files_in(folder) - before
+
+
+def _files_in(folder: str) -> set[str]:
+    """Every file under `folder`, as a path relative to it (the marker's names: a/b for a subfolder's)."""
+    return {os.path.relpath(os.path.join(root, name), folder) for root, _, files in os.walk(folder) for name in files}
 
 
 def _configs(model: torch.nn.Module) -> dict[str, Any]:
