@@ -245,3 +245,28 @@ def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tm
     (folder / "templates" / "tool_use.jinja").write_text('{"mine": fals}')
     with pytest.raises(CheckpointError, match="templates/tool_use.jinja"):
         load_checkpoint(str(folder))
+
+
+def failing_save_world(world, out):
+    """Rank 0's processor cannot be saved: every rank's save_model raises at once (no wait for the timeout)."""
+    import time
+
+    class Broken:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    trainer = Trainer(Classifier().double(), trainer_args(out, ddp_timeout=120), classification_data(8),
+                      processing_class=Broken())
+    began = time.monotonic()
+    try:
+        trainer.save_model()
+    except Exception as exc:  # noqa: BLE001 - what each rank saw
+        return type(exc).__name__, str(exc), time.monotonic() - began
+    return None
+
+
+def test_a_save_model_that_fails_on_rank_0_raises_on_every_rank(tmp_path):
+    zero, one = run_world(failing_save_world, 2, args=(str(tmp_path),), deadline_s=90)
+    assert zero[:2] == ("OSError", "disk full")
+    assert one[0] == "RuntimeError" and "rank 0 could not save the model" in one[1] and "OSError: disk full" in one[1]
+    assert one[2] < 30  # told by rank 0, not left at a barrier until ddp_timeout (120 s)

@@ -5,7 +5,7 @@
     folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
     saves.load_best(model, state)                        # load_best_model_at_end
     saves.write_final_state(state)                       # output_dir/trainer_state.json, Transformers' fields
-    save_model(model, output_dir, args.to_dict(), processor)  # Trainer.save_model's files, on rank 0
+    saves.save_model(model, output_dir, args.to_dict())  # Trainer.save_model's files, from rank 0, on every rank
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
 resume.protected_checkpoints), the best one (best.py), nor another run's (`run`, see ddpkit.runs). The files
@@ -75,6 +75,22 @@ class Saves:
             ddpkit_state=ours, sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
             run=self.run, rng=rng, processor=self.processor)
+
+    def save_model(self, model: Any, output_dir: str, training_args: dict) -> None:
+        """Trainer.save_model: rank 0 writes (save_model below); call it on every rank. A failure there raises on
+        every rank, as a checkpoint's does, instead of leaving the others waiting for rank 0 until the timeout."""
+        failure = None
+        if self.world.is_main:
+            try:
+                save_model(model, output_dir, training_args, self.processor)
+            except Exception as exc:  # noqa: BLE001 - told to every rank first, then raised here as it came
+                failure = exc
+        told = decided_by_main(self.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               f"save_model {output_dir}")
+        if failure is not None:
+            raise failure
+        if told is not None:
+            raise RuntimeError(f"rank 0 could not save the model into {output_dir}: {told}")
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""

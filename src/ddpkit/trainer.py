@@ -36,13 +36,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import evaluation, model_io, optim, resume, runs, saves, step
+from . import evaluation, model_io, optim, resume, runs, step
 from .best import BestModel
 from .collator import default_collator
 from .saves import Saves, saved_processor
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments, trainer_arguments
-from .comm import Comm, barrier, init_process_group, max_over_ranks, sum_over_ranks
+from .comm import Comm, init_process_group, max_over_ranks, sum_over_ranks
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, epochs_to_train, plan_for
@@ -364,9 +364,7 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
     def save_model(self, output_dir: str | None = None) -> None:
         """The model (a Transformers model's save_pretrained files, else model.safetensors), processing_class (a
         tokenizer's files) and training_args.json into output_dir, from rank 0 (saves.save_model); every rank calls."""
-        if self.world.is_main:
-            saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict(), self.saves.processor)
-        barrier(self.world, "save_model")
+        self.saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict())
 
     # -- logging -----------------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float]) -> None:
