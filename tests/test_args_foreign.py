@@ -68,3 +68,22 @@ def test_the_trainer_takes_no_args_as_transformers_does_and_refuses_a_transforme
     with pytest.raises(TypeError, match="takes ddpkit.TrainingArguments, not transformers.training_args"):
         Trainer(torch.nn.Linear(2, 1), transformers.TrainingArguments(str(tmp_path), report_to="none"))
     assert not torch.distributed.is_initialized()
+
+
+def test_a_dict_of_transformers_arguments_and_a_subclass_are_read_as_transformers_would(tmp_path):
+    """Transformers' own to_dict() (its normalised defaults: accelerator_config as a dict, hub_token masked, debug
+    a list, torch_compile_backend None) loads; a dataclass subclass of TrainingArguments, whose __init__ is its
+    own, still drops and refuses Transformers' fields."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.TrainingArguments(str(tmp_path), report_to="none", learning_rate=3e-4, seed=5)
+    (ours,) = ArgumentParser(TrainingArguments).parse_dict(theirs.to_dict())
+    assert (ours.learning_rate, ours.seed, ours.torch_compile, ours.torch_compile_backend) == (3e-4, 5, False,
+                                                                                               "inductor")
+
+    @dataclasses.dataclass
+    class Script(TrainingArguments):
+        extra: int = 3
+
+    assert Script(output_dir=str(tmp_path), push_to_hub=False, extra=4).extra == 4
+    with pytest.raises(ForeignArgument, match="ddp_zero_stage"):
+        Script(output_dir=str(tmp_path), fsdp="full_shard")

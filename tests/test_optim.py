@@ -121,13 +121,14 @@ def test_optimizer_cls_and_kwargs_is_checked_as_transformers_does(tmp_path):
     from ddpkit.optim import given_optimizers
 
     args = TrainingArguments(output_dir=str(tmp_path))
-    for bad in (torch.optim.SGD, (torch.optim.SGD, None), (dict, {}), (torch.optim.SGD, {}, 1)):
+    for bad in (torch.optim.SGD, (torch.optim.SGD, None), (dict, {}), (torch.optim.SGD, {}, 1), {torch.optim.SGD: {}}):
         with pytest.raises(TypeError, match="optimizer_cls_and_kwargs must be"):
             given_optimizers((None, None), args, 1, bad)
     built = torch.optim.SGD(Net().parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="both optimizers and optimizer_cls_and_kwargs"):
         given_optimizers((built, None), args, 1, (torch.optim.SGD, {"lr": 0.1}))
     assert given_optimizers((None, None), args, 1, (torch.optim.SGD, {"lr": 0.1})) == (None, None)
+    assert given_optimizers((None, None), args, 1, [torch.optim.SGD, {"lr": 0.1}]) == (None, None)  # unpacked
 
 
 # Stage 2 also checks that train() returns with the last step's all-gathers finished (model.parameters() final).

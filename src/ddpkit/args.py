@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -24,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 
-from .args_foreign import explain, foreign_flag, without_foreign
+from .args_foreign import ForeignDropping, explain, foreign_flag, without_foreign
 from .args_process import ProcessMixin
 from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
@@ -37,7 +36,7 @@ def _field(default: Any, help: str, **metadata: Any) -> Any:
 
 
 @dataclasses.dataclass
-class TrainingArguments(ProcessMixin):
+class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
     """Hyper-parameters of one run. Sizes are per process ("per device") unless the help says global."""
 
     output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")
@@ -101,7 +100,7 @@ class TrainingArguments(ProcessMixin):
     torch_compile: bool = _field(False, "torch.compile the training model: the DDP wrapper is compiled (Dynamo "
                                         "splits the graph at its buckets, so the all-reduces overlap the compiled "
                                         "backward); evaluation and saving use the plain module.")
-    torch_compile_backend: str = _field("inductor", "torch.compile backend (torch._dynamo.list_backends()); a "
+    torch_compile_backend: str | None = _field("inductor", "torch.compile backend (torch._dynamo.list_backends()); a "
                                                     "backend other than inductor turns torch_compile on.")
     torch_compile_mode: str | None = _field(None, "torch.compile mode of inductor, one of "
                                                   "torch._inductor.list_mode_options(); setting it turns "
@@ -167,6 +166,8 @@ class TrainingArguments(ProcessMixin):
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.torch_compile_backend is None:  # Transformers' default, which means inductor's
+            self.torch_compile_backend = "inductor"
         if self.torch_compile_mode is not None or self.torch_compile_backend != "inductor":
             self.torch_compile = True  # Transformers: naming a mode or a backend asks for compilation
         if self.warmup_steps >= 1 and float(self.warmup_steps).is_integer():
@@ -217,19 +218,6 @@ class TrainingArguments(ProcessMixin):
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def _refusing_foreign(init: Any) -> Any:
-    """TrainingArguments' __init__, taking the Transformers-only fields at Transformers' default (and dropping
-    them) and refusing them with what to do instead otherwise (ddpkit.args_foreign)."""
-    @functools.wraps(init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **without_foreign(kwargs))
-
-    return __init__
-
-
-TrainingArguments.__init__ = _refusing_foreign(TrainingArguments.__init__)  # type: ignore[method-assign]
 
 
 def trainer_arguments(args: Any) -> TrainingArguments:

@@ -63,6 +63,22 @@ FOREIGN: dict[str, tuple[Any, str]] = {
 }
 
 
+# Values Transformers' TrainingArguments turns its defaults into (__post_init__, to_dict): as good as the default.
+NORMALISED: dict[str, list[Any]] = {
+    "hub_token": ["<HUB_TOKEN>"], "debug": [[]], "activation_checkpointing": [False],
+    "accelerator_config": [{"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                            "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None}],
+}
+
+
+class ForeignDropping(type):
+    """TrainingArguments' metaclass: every construction (of a subclass too, whose dataclass __init__ is its own)
+    drops the Transformers-only keyword arguments at Transformers' default and refuses the others."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **without_foreign(kwargs))
+
+
 class ForeignArgument(ArgumentError, TypeError):
     """A Transformers-only training argument set to something other than Transformers' default: an ArgumentError
     naming the field, and a TypeError as the unknown keyword it is to the dataclass."""
@@ -81,7 +97,7 @@ def explain(field: str, on_command_line: bool = False) -> str:
 def without_foreign(values: dict[str, Any]) -> dict[str, Any]:
     """`values` without the Transformers-only fields at Transformers' default; ForeignArgument for another value."""
     for name in values.keys() & FOREIGN.keys():
-        if values[name] != FOREIGN[name][0]:
+        if values[name] != FOREIGN[name][0] and values[name] not in NORMALISED.get(name, []):
             raise ForeignArgument(name, values[name])
     return {name: value for name, value in values.items() if name not in FOREIGN}
 
@@ -95,4 +111,5 @@ def foreign_flag(tokens: list[str]) -> str | None:
     return None
 
 
-__all__ = ["FOREIGN", "ForeignArgument", "explain", "foreign_flag", "without_foreign"]
+__all__ = ["FOREIGN", "NORMALISED", "ForeignArgument", "ForeignDropping", "explain", "foreign_flag",
+           "without_foreign"]

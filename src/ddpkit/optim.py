@@ -75,7 +75,7 @@ def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world
 
 
 def _check_cls_and_kwargs(given: Any) -> None:
-    pair = isinstance(given, tuple) and len(given) == 2
+    pair = isinstance(given, (tuple, list)) and len(given) == 2
     if not (pair and isinstance(given[0], type) and issubclass(given[0], torch.optim.Optimizer)
             and isinstance(given[1], dict)):
         raise TypeError("optimizer_cls_and_kwargs must be (an optimizer class, a dict of its keyword arguments), "
@@ -94,7 +94,7 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, world_size: int 
     groups = [{"params": [p for p in params if id(p) not in skipped], "weight_decay": args.weight_decay},
               {"params": [p for p in params if id(p) in skipped], "weight_decay": 0.0}]
     stage = args.ddp_zero_stage if world_size > 1 else 0
-    cls, options = optimizer_class(args) if cls_and_kwargs is None else cls_and_kwargs
+    cls, options = optimizer_class(args) if cls_and_kwargs is None else tuple(cls_and_kwargs)
     return apply_zero([g for g in groups if g["params"]], stage, cls, **options)
 
 

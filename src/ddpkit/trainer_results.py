@@ -109,8 +109,8 @@ class ResultsMixin:
                   "pipeline_tag": _listed(tasks)[0] if tasks else None}
         os.makedirs(self.args.output_dir, exist_ok=True)
         with replacing(os.path.join(self.args.output_dir, "README.md")) as f:
-            f.write(model_card(name, header, self._hyperparameters(), self.state.log_history,
-                               finetuned_from, " ".join(_listed(dataset)) or None))
+            f.write(model_card(name, header, self._hyperparameters(), self.state.log_history, finetuned_from,
+                               " ".join(_listed(dataset) + [f"({arg})" for arg in _listed(dataset_args)]) or None))
 
     def _hyperparameters(self) -> dict[str, Any]:
         args, world = self.args, self.world.world_size
