@@ -133,6 +133,8 @@ INVALID = [
     ("resume_from_checkpoint", dict(resume_from_checkpoint="/no/such/checkpoint-7")),
     ("ddp_backend", dict(ddp_backend="carrier-pigeon")),
     ("ddp_timeout", dict(ddp_timeout=0)),
+    ("label_smoothing_factor", dict(label_smoothing_factor=-0.1)),
+    ("label_smoothing_factor", dict(label_smoothing_factor=1.0)),
     ("ddp_bucket_cap_mb", dict(ddp_bucket_cap_mb=0)),
     ("ddp_find_unused_parameters", dict(gradient_checkpointing=True, ddp_find_unused_parameters=True)),
     ("ddp_broadcast_buffers", dict(gradient_checkpointing=True, ddp_broadcast_buffers=True)),

@@ -169,7 +169,7 @@ def test_a_batch_encoding_is_counted_and_moved_as_a_mapping():
     assert moved["b"][0].device.type == "meta"
 
 
-def bert_world(world, out, batch):
+def bert_world(world, out, batch, smoothing=0.0):
     import transformers
 
     from ddpkit.trainer import Trainer
@@ -180,7 +180,8 @@ def bert_world(world, out, batch):
     model = transformers.BertForSequenceClassification(config).double()
     g = torch.Generator().manual_seed(4)
     data = [{"input_ids": torch.randint(1, 40, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(8)]
-    args = trainer_args(out, per_device_train_batch_size=batch, **{**STEPS, "max_grad_norm": 1.0})
+    args = trainer_args(out, per_device_train_batch_size=batch, label_smoothing_factor=smoothing,
+                        **{**STEPS, "max_grad_norm": 1.0})
     trainer = Trainer(model, args, data)
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
@@ -192,10 +193,18 @@ def test_a_mean_loss_behind_transformers_kwargs_is_one_process_s_on_any_world_si
     against 0.693 logged; clipped at max_grad_norm accordingly)."""
     pytest.importorskip("transformers")
     (one,) = run_world(bert_world, 1, args=(str(tmp_path / "one"), 8))
+    (smoothed,) = run_world(bert_world, 1, args=(str(tmp_path / "smoothed-one"), 8, 0.1))
     for losses, params in run_world(bert_world, 2, args=(str(tmp_path / "two"), 4)):
         assert losses == pytest.approx(one[0], rel=1e-9)
         for got, want in zip(params, one[1]):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    # label_smoothing_factor (its loss divides by the global count): 2 ranks are one process too, to float32's
+    # precision (the smoothing term sums in float32, as Transformers' LabelSmoother does).
+    assert smoothed[0] != one[0]
+    for losses, params in run_world(bert_world, 2, args=(str(tmp_path / "smoothed-two"), 4, 0.1)):
+        assert losses == pytest.approx(smoothed[0], rel=1e-7)
+        for got, want in zip(params, smoothed[1]):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
 
 
 def test_the_count_reaches_only_the_transformers_losses_that_divide_by_it():
@@ -218,3 +227,18 @@ def test_the_count_reaches_only_the_transformers_losses_that_divide_by_it():
                                                                    num_local_experts=2, output_router_logits=True)),
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, vocab_size=30)))]
     assert found == [False, True, False, False, False, True]
+
+
+def test_label_smoothing_is_transformers_label_smoother_bit_for_bit():
+    trainer_pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(3, 7, 11, generator=g), torch.randint(0, 11, (3, 7), generator=g)
+    labels[0, :3] = -100
+    smoother = trainer_pt_utils.LabelSmoother(0.1)
+    for shift in (False, True):
+        for count in (None, torch.tensor(40.0)):
+            assert torch.equal(model_io.smoothed_loss({"logits": logits}, labels, 0.1, shift, count),
+                               smoother({"logits": logits}, labels, shift_labels=shift, num_items_in_batch=count))
+    classes, targets = torch.randn(5, 4, generator=g), torch.tensor([0, 3, -100, 1, 2])  # a classifier's, a tuple
+    assert torch.equal(model_io.smoothed_loss((classes,), targets, 0.2),
+                       trainer_pt_utils.LabelSmoother(0.2)((classes,), targets))

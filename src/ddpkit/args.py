@@ -111,6 +111,8 @@ class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
                                        "Transformers' own Adafactor, whose steps differ).")
     optim_args: str | None = _field(None, "Optimizer arguments as 'k1=v1,k2=v2': sgd takes momentum, dampening, "
                                           "nesterov; adafactor takes beta2_decay, d.")
+    label_smoothing_factor: float = _field(0.0, "Label smoothing: the loss mixes (1 - x) of the labels' and x of "
+                                                "a uniform target's cross-entropy over the vocabulary or classes.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
                                                  "(calls model.gradient_checkpointing_enable()).")
     restore_callback_states_from_checkpoint: bool = _field(False, "On resume, give the callbacks that export "

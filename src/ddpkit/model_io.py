@@ -70,6 +70,34 @@ def logits_of(outputs: Any, with_loss: bool = True) -> torch.Tensor:
     return logits
 
 
+def smoothed_loss(outputs: Any, labels: torch.Tensor, epsilon: float, shift: bool = False,
+                  count: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Label smoothing (Transformers' label_smoothing_factor) on the logits of a model called without labels:
+    (1 - epsilon) x the labels' negative log-likelihood + epsilon x the mean over the classes of it, summed over the
+    items (labels other than -100; shift: a causal LM's, logits[..., :-1] against labels[..., 1:]) and divided by
+    `count` (the global item count), or averaged over the items without one."""
+    logits = logits_of(outputs, with_loss=False)
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    negative = -nn.functional.log_softmax(logits, dim=-1)
+    target = labels.unsqueeze(-1) if labels.dim() == negative.dim() - 1 else labels
+    ignored = target.eq(IGNORE_INDEX)
+    picked = negative.gather(-1, target.clamp(min=0)).masked_fill(ignored, 0.0)
+    spread = negative.sum(-1, keepdim=True, dtype=torch.float32).masked_fill(ignored, 0.0)  # float32 at least
+    items = (~ignored).sum() if count is None else torch.as_tensor(count, device=picked.device)
+    return (1 - epsilon) * picked.sum() / items + epsilon * spread.sum() / (items * negative.shape[-1])
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether the model is one of Transformers' causal LMs (its class named in the auto mapping), whose label
+    smoothing shifts the labels, as Transformers' Trainer decides it."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(unwrapped(model)).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
 def labels_of(inputs: Any) -> torch.Tensor | None:
     """The batch's "labels" tensor, if it is a mapping that has one."""
     labels = inputs.get("labels") if isinstance(inputs, Mapping) else None

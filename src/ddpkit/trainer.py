@@ -298,11 +298,12 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | None = None):
-        """The model's loss on `inputs`: the mean over the batch's items (see count_items); with compute_loss_func,
-        what it makes of the outputs of the model called without the labels (num_items_in_batch: the count it
-        divides a sum by, where the model or compute_loss_func takes one)."""
-        labels = None
-        if self.compute_loss_func is not None and isinstance(inputs, Mapping) and "labels" in inputs:
+        """The model's loss on `inputs`: the mean over the batch's items (see count_items); with compute_loss_func
+        or label_smoothing_factor, what that makes of the outputs of the model called without the labels
+        (num_items_in_batch: the count it divides a sum by, where the model, compute_loss_func or smoothing takes
+        one)."""
+        labels, smoothing = None, self.args.label_smoothing_factor
+        if (self.compute_loss_func is not None or smoothing) and isinstance(inputs, Mapping) and "labels" in inputs:
             inputs = dict(inputs)
             labels = inputs.pop("labels")
         if num_items_in_batch is not None and isinstance(inputs, Mapping) and self.model_accepts_loss_kwargs:
@@ -310,13 +311,18 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         outputs = model_io.call_model(model, inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif labels is not None:  # label_smoothing_factor
+            loss = model_io.smoothed_loss(outputs, labels, smoothing, model_io.is_causal_lm(self.model),
+                                          num_items_in_batch)
         else:
             loss = model_io.loss_of(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def _divides_by_count(self) -> bool:
-        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given (Transformers' rule)."""
-        return self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given: the model's or
+        compute_loss_func's (Transformers' rule), or label smoothing's."""
+        smoothing = self.args.label_smoothing_factor > 0
+        return self.model_accepts_loss_kwargs or self.compute_loss_func is not None or smoothing
 
     def count_items(self, batch: Any) -> int:
         """How many items the batch's mean loss averages: labels other than -100 (shifted for a causal LM, as

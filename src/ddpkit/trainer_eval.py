@@ -116,7 +116,8 @@ class EvaluationMixin:
         # (only when there is one: a compute_loss override without the argument, as training calls it)
         counted = {} if count is None else {"num_items_in_batch": count}
         loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
-        if self.compute_loss_func is not None and isinstance(outputs, (list, tuple)):
+        if (self.compute_loss_func is not None or self.args.label_smoothing_factor) and \
+                isinstance(outputs, (list, tuple)):
             outputs = (loss, *outputs)  # the model got no labels: its tuple holds no loss before the logits
         return loss, outputs
 
