@@ -100,8 +100,8 @@ class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
     torch_compile: bool = _field(False, "torch.compile the training model: the DDP wrapper is compiled (Dynamo "
                                         "splits the graph at its buckets, so the all-reduces overlap the compiled "
                                         "backward); evaluation and saving use the plain module.")
-    torch_compile_backend: str | None = _field("inductor", "torch.compile backend (torch._dynamo.list_backends()); a "
-                                                    "backend other than inductor turns torch_compile on.")
+    torch_compile_backend: str | None = _field("inductor", "torch.compile backend (torch._dynamo.list_backends()); "
+                                                           "a backend other than inductor turns torch_compile on.")
     torch_compile_mode: str | None = _field(None, "torch.compile mode of inductor, one of "
                                                   "torch._inductor.list_mode_options(); setting it turns "
                                                   "torch_compile on.")

@@ -15,7 +15,7 @@ _SHARDING = "ddpkit shards across its ranks itself: ddp_zero_stage=1 or 2 (ZeRO 
 _HUB = "ddpkit uploads nothing: push output_dir (from_pretrained loads it and every checkpoint) with huggingface_hub"
 _TRACKING = "ddpkit reports to tensorboard only (report_to)"
 _LOGS = "ddpkit logs on rank 0; every rank's output is in the launcher's files (ddpkit launch --log-dir)"
-_EVAL = "ddpkit's evaluation gathers every rank's predictions and computes compute_metrics once, on rank 0"
+_EVAL = "ddpkit's evaluation gathers every rank's predictions, in dataset order, for compute_metrics on every rank"
 _NOT_YET = "ddpkit's Trainer does not implement it"
 _LOADER = "ddpkit's Trainer builds its DataLoaders with pin_memory on GPUs and dataloader_num_workers workers only"
 
