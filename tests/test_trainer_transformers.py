@@ -245,6 +245,9 @@ def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tm
     (folder / "templates" / "tool_use.jinja").write_text('{"mine": fals}')
     with pytest.raises(CheckpointError, match="templates/tool_use.jinja"):
         load_checkpoint(str(folder))
+    Trainer(gpt2(), args, sequences(4), processing_class=Processor()).save_model(str(tmp_path / "final"))
+    with open(tmp_path / "final" / "config.json") as f:  # the model's, which from_pretrained needs
+        assert json.load(f)["model_type"] == "gpt2"
 
 
 def failing_save_world(world, out):

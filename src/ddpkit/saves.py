@@ -114,14 +114,14 @@ def save_model(model: Any, output_dir: str, training_args: dict, processor: Any 
     """The model, the processor (a tokenizer: saved_processor's) and training_args.json into output_dir (rank 0's
     part of Trainer.save_model). A Transformers model is saved by its save_pretrained, as Transformers' Trainer
     saves it: config.json beside the weights, so that from_pretrained(output_dir) loads it; any other model as
-    model.safetensors."""
+    model.safetensors. The processor saves first, as in a checkpoint: a name both write (config.json) is the model's."""
     os.makedirs(output_dir, exist_ok=True)
+    if processor is not None:
+        processor.save_pretrained(output_dir)
     if callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained(output_dir)
     else:
         checkpoint.save_weights(model, os.path.join(output_dir, checkpoint.MODEL_FILE))
-    if processor is not None:
-        processor.save_pretrained(output_dir)
     checkpoint.write_json(os.path.join(output_dir, "training_args.json"), training_args)
 
 
