@@ -134,6 +134,7 @@ INVALID = [
     ("ddp_backend", dict(ddp_backend="carrier-pigeon")),
     ("ddp_timeout", dict(ddp_timeout=0)),
     ("label_smoothing_factor", dict(label_smoothing_factor=-0.1)),
+    ("include_num_input_tokens_seen", dict(include_num_input_tokens_seen="some")),
     ("label_smoothing_factor", dict(label_smoothing_factor=1.0)),
     ("ddp_bucket_cap_mb", dict(ddp_bucket_cap_mb=0)),
     ("ddp_find_unused_parameters", dict(gradient_checkpointing=True, ddp_find_unused_parameters=True)),

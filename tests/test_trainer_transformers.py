@@ -273,3 +273,34 @@ def test_a_save_model_that_fails_on_rank_0_raises_on_every_rank(tmp_path):
     assert zero[:2] == ("OSError", "disk full")
     assert one[0] == "RuntimeError" and "rank 0 could not save the model" in one[1] and "OSError: disk full" in one[1]
     assert one[2] < 30  # told by rank 0, not left at a barrier until ddp_timeout (120 s)
+
+
+def tokens_world(world, out, how, lengths):
+    """One epoch of `lengths` token sequences, 2 a batch per rank, padded with an attention mask."""
+    def collate(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids, mask = torch.zeros(len(samples), longest, dtype=torch.long), torch.zeros(len(samples), longest)
+        for row, s in enumerate(samples):
+            ids[row, :len(s["input_ids"])], mask[row, :len(s["input_ids"])] = s["input_ids"], 1
+        return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(mask == 0, -100)}
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 50, (n,), generator=g)} for n in lengths]
+    args = trainer_args(out, max_steps=len(lengths) // (2 * world.world_size), per_device_train_batch_size=2,
+                        include_num_input_tokens_seen=how)
+    trainer = Trainer(gpt2(), args, data, data_collator=collate)
+    trainer.train()
+    return trainer.state.num_input_tokens_seen, [e.get("num_input_tokens_seen") for e in trainer.state.log_history]
+
+
+def test_input_tokens_are_counted_over_every_rank_as_transformers_counts_them(tmp_path):
+    """include_num_input_tokens_seen: every rank's batches, summed in the step's own all-reduce; non_padding
+    counts the attention mask, all the main input's elements (padding included); logged at each step."""
+    lengths = [3, 9, 2, 12, 5, 7, 4, 10]
+    for seen, logged in run_world(tokens_world, 2, args=(str(tmp_path / "np"), "non_padding", lengths)):
+        assert seen == sum(lengths) and len(logged) == 3 and logged[1:] == [seen, seen], (seen, logged)
+        assert 0 < logged[0] < seen  # after the first of the 2 steps (then train()'s summary)
+    for seen, logged in run_world(tokens_world, 2, args=(str(tmp_path / "all"), True, [6] * 8)):
+        assert (seen, logged) == (6 * 8, [24, 48, 48])
+    (off,) = run_world(tokens_world, 1, args=(str(tmp_path / "no"), "no", [6] * 8))
+    assert off == (0, [None] * len(off[1]))

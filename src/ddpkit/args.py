@@ -111,6 +111,9 @@ class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
                                        "Transformers' own Adafactor, whose steps differ).")
     optim_args: str | None = _field(None, "Optimizer arguments as 'k1=v1,k2=v2': sgd takes momentum, dampening, "
                                           "nesterov; adafactor takes beta2_decay, d.")
+    include_num_input_tokens_seen: str | bool = _field("no", "Count the input tokens trained on, over every rank, "
+                                                            "into num_input_tokens_seen (state and logs): all, "
+                                                            "non_padding (the attention mask's) or no.")
     label_smoothing_factor: float = _field(0.0, "Label smoothing: the loss mixes (1 - x) of the labels' and x of "
                                                 "a uniform target's cross-entropy over the vocabulary or classes.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
@@ -168,6 +171,8 @@ class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if isinstance(self.include_num_input_tokens_seen, bool):  # Transformers: True is "all"
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if self.torch_compile_backend is None:  # Transformers' default, which means inductor's
             self.torch_compile_backend = "inductor"
         if self.torch_compile_mode is not None or self.torch_compile_backend != "inductor":

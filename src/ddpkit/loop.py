@@ -98,6 +98,7 @@ class TrainingLoop:
                 consumed = max(consumed, len(t.train_dataset)) if left <= 0 else consumed
             sampler.consumed = consumed  # what was trained on, whatever the loader prefetched
             t.state.global_step += 1
+            t.state.num_input_tokens_seen += window.tokens
             t.state.epoch = epoch + min(1.0, consumed / max(1, len(t.train_dataset)))
             t._fire("on_step_end")
             t._agreement.settle(t.control, f"step {t.state.global_step}")
@@ -118,7 +119,7 @@ class TrainingLoop:
             t._last_batch = taken[-1]
         window = agree_on_window(t.comm, t.world, taken, items=sum(t.count_items(b) for b in taken),
                                  samples=sum(model_io.batch_len(b) for b in taken), stop=t._stop.requested,
-                                 loss=t._loss.carried())
+                                 loss=t._loss.carried(), tokens=sum(t._count_tokens(b) for b in taken))
         t._loss.settle(window.previous_loss)
         return window
 

@@ -98,6 +98,21 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(unwrapped(model)).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
+def count_tokens(batch: Any, model: nn.Module, how: str, pad_token_id: int | None = None) -> int:
+    """The input tokens of a batch, as Transformers' include_num_input_tokens_seen counts them: the elements of the
+    model's main input ("all"), or those the attention mask keeps ("non_padding"; else those that are not
+    `pad_token_id`, else all); 0 for "no" or a batch without that input."""
+    main = batch.get(getattr(unwrapped(model), "main_input_name", "input_ids")) if isinstance(batch, Mapping) else None
+    if how == "no" or not isinstance(main, torch.Tensor):
+        return 0
+    mask = batch.get("attention_mask")
+    if how == "non_padding" and isinstance(mask, torch.Tensor):
+        return int(mask.sum())
+    if how == "non_padding" and pad_token_id is not None:
+        return int((main != pad_token_id).sum())
+    return main.numel()
+
+
 def labels_of(inputs: Any) -> torch.Tensor | None:
     """The batch's "labels" tensor, if it is a mapping that has one."""
     labels = inputs.get("labels") if isinstance(inputs, Mapping) else None

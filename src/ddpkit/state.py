@@ -55,7 +55,7 @@ class TrainerState:
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     total_flos: float = 0.0
-    num_input_tokens_seen: int = 0  # Transformers' include_num_input_tokens_seen; ddpkit counts no tokens: 0
+    num_input_tokens_seen: int = 0  # include_num_input_tokens_seen's count, every rank's
     is_hyper_param_search: bool = False  # Transformers' hyperparameter_search, which ddpkit does not run
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None

@@ -324,6 +324,10 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         smoothing = self.args.label_smoothing_factor > 0
         return self.model_accepts_loss_kwargs or self.compute_loss_func is not None or smoothing
 
+    def _count_tokens(self, batch: Any) -> int:
+        return model_io.count_tokens(batch, self.model, self.args.include_num_input_tokens_seen,
+                                     getattr(self.processing_class, "pad_token_id", None))
+
     def count_items(self, batch: Any) -> int:
         """How many items the batch's mean loss averages: labels other than -100 (shifted for a causal LM, as
         Transformers counts them; see model_io.count_items), or else samples."""
@@ -377,6 +381,8 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         """Record a log entry (the Transformers log_history format) and, on rank 0, write it everywhere. As in
         Transformers, `logs` gains the epoch (so evaluate()'s metrics have it) and on_log gets it so."""
         logs["epoch"] = round(self.state.epoch, 4)
+        if self.args.include_num_input_tokens_seen != "no":  # as Transformers: in every log
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.reporter.write(entry)

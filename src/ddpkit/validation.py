@@ -231,6 +231,8 @@ def _validate_flags(args: Any, need: Callable[[bool, str, str], None]) -> None:
     need(not args.fp16 or torch.cuda.is_available(), "fp16", "needs a CUDA GPU (float16 autocast with a gradient "
                                                              "scaler) and none is visible here; on a CPU use bf16")
     need(args.optim in OPTIMIZERS, "optim", f"must be one of {', '.join(OPTIMIZERS)}")
+    need(args.include_num_input_tokens_seen in ("no", "all", "non_padding"), "include_num_input_tokens_seen",
+         "must be no, all or non_padding (or a bool: True is all)")
     need(0 <= args.label_smoothing_factor < 1, "label_smoothing_factor", "must be >= 0 (0: none) and below 1")
     options = parse_optim_args(args.optim_args, args.optim)
     need(not options.get("nesterov") or (options.get("momentum", 0) > 0 and options.get("dampening", 0) == 0),

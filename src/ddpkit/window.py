@@ -35,6 +35,7 @@ class Window:
     micro_steps: int  # forward/backward passes every rank runs: the most batches any rank holds
     stop: bool = False  # some rank got SIGTERM or Ctrl-C: every rank stops after this step
     previous_loss: float = 0.0  # the sum over the ranks of the loss shares they carried (see RunningLoss)
+    tokens: int = 0  # global input tokens (include_num_input_tokens_seen; 0 where not counted)
 
 
 def take_batches(batches: Iterator, accumulation_steps: int) -> list[Any]:
@@ -49,23 +50,24 @@ def take_batches(batches: Iterator, accumulation_steps: int) -> list[Any]:
 
 
 def _layout(world: DistEnv, stop: bool = False, items: float = 0.0, samples: int = 0, batches: int = 0,
-            loss: float = 0.0) -> list[float]:
-    # [ranks asked to stop, global items, global samples, loss, batches of rank 0, ..., batches of rank N-1]: each
-    # rank fills in its own, so the sums are every rank's. The stop flag and the previous step's loss ride along,
-    # so agreeing on a stop and logging the loss cost no collective of their own.
-    mine = [float(stop), float(items), float(samples), float(loss)] + [0.0] * world.world_size
-    mine[4 + world.rank] = float(batches)
+            loss: float = 0.0, tokens: int = 0) -> list[float]:
+    # [ranks asked to stop, global items, global samples, loss, tokens, batches of rank 0, ..., of rank N-1]: each
+    # rank fills in its own, so the sums are every rank's. The stop flag, the previous step's loss and the tokens
+    # ride along, so agreeing on a stop, logging the loss and counting tokens cost no collective of their own.
+    mine = [float(stop), float(items), float(samples), float(loss), float(tokens)] + [0.0] * world.world_size
+    mine[5 + world.rank] = float(batches)
     return mine
 
 
 def agree_on_window(comm: Comm, world: DistEnv, taken: list[Any], items: float, samples: int, stop: bool,
-                    loss: float = 0.0) -> Window:
-    """The window every rank runs, from this rank's micro-batches (with their items and samples): one all-reduce.
-    `loss` is this rank's share of the previous step's loss, summed over the ranks into `previous_loss`."""
-    counts = sum_over_ranks(comm, _layout(world, stop, items, samples, len(taken), loss),
+                    loss: float = 0.0, tokens: int = 0) -> Window:
+    """The window every rank runs, from this rank's micro-batches (with their items, samples and input tokens):
+    one all-reduce. `loss` is this rank's share of the previous step's loss, summed over the ranks into
+    `previous_loss`."""
+    counts = sum_over_ranks(comm, _layout(world, stop, items, samples, len(taken), loss, tokens),
                             "items and batches of this optimizer step", world.device)
-    return Window(taken, counts[1], int(counts[2]), int(max(counts[4:])), stop=counts[0] > 0,
-                  previous_loss=counts[3])
+    return Window(taken, counts[1], int(counts[2]), int(max(counts[5:])), stop=counts[0] > 0,
+                  previous_loss=counts[3], tokens=int(counts[4]))
 
 
 def sum_loss(comm: Comm, world: DistEnv, loss: float, what: str) -> float:
