@@ -366,3 +366,16 @@ def test_the_transformers_fields_users_set_take_its_defaults_and_are_checked(tmp
                          (dict(label_names=[3]), "label_names: must be a list")):
         with pytest.raises(ArgumentError, match=message):
             TrainingArguments(output_dir=str(tmp_path), **bad)
+
+
+def test_include_num_input_tokens_seen_reads_as_transformers_writes_it(tmp_path):
+    """A bool or a word, in code and on the command line (the flag alone is True, which is "all")."""
+    out = ["--output_dir", str(tmp_path)]
+    for argv, want in (([], "no"), (["--include_num_input_tokens_seen"], "all"),
+                       (["--include-num-input-tokens-seen", "false"], "no"),
+                       (["--include_num_input_tokens_seen=non_padding"], "non_padding")):
+        assert parse_args(out + argv).include_num_input_tokens_seen == want, argv
+    args = TrainingArguments(output_dir=str(tmp_path), include_num_input_tokens_seen=True)
+    assert args.include_num_input_tokens_seen == "all"
+    with pytest.raises(ArgumentError, match="include_num_input_tokens_seen"):
+        TrainingArguments(output_dir=str(tmp_path), include_num_input_tokens_seen=2)

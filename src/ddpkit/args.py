@@ -171,8 +171,9 @@ class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if isinstance(self.include_num_input_tokens_seen, bool):  # Transformers: True is "all"
-            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        tokens = self.include_num_input_tokens_seen  # Transformers': True (--include_num_input_tokens_seen) is "all"
+        if isinstance(tokens, bool) or str(tokens).lower() in ("yes", "true", "t", "y", "1", "false", "f", "n", "0"):
+            self.include_num_input_tokens_seen = "all" if string_to_bool(tokens) else "no"
         if self.torch_compile_backend is None:  # Transformers' default, which means inductor's
             self.torch_compile_backend = "inductor"
         if self.torch_compile_mode is not None or self.torch_compile_backend != "inductor":
@@ -315,9 +316,9 @@ class ArgumentParser(argparse.ArgumentParser):
             kwargs["required"] = True
         if "choices" in field.metadata:
             kwargs["choices"] = list(field.metadata["choices"])
-        if kind is bool:
-            # --bf16 alone means true; --bf16 false spells it out, as Transformers accepts.
-            kwargs.update(type=string_to_bool, nargs="?", const=True, metavar="BOOL")
+        if kind is bool or bool in typing.get_args(kind):
+            # --bf16 alone means true; --bf16 false spells it out, as Transformers accepts (str | bool: any word).
+            kwargs.update(type=string_to_bool if kind is bool else str, nargs="?", const=True, metavar="BOOL")
         elif typing.get_origin(kind) is list:
             kwargs.update(type=str, nargs="+")
         elif kind in (int, float):
