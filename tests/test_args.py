@@ -379,3 +379,17 @@ def test_include_num_input_tokens_seen_reads_as_transformers_writes_it(tmp_path)
     assert args.include_num_input_tokens_seen == "all"
     with pytest.raises(ArgumentError, match="include_num_input_tokens_seen"):
         TrainingArguments(output_dir=str(tmp_path), include_num_input_tokens_seen=2)
+
+
+def test_a_list_of_bools_in_a_script_dataclass_still_takes_several_values():
+    import dataclasses as dc
+
+    @dc.dataclass
+    class Script:
+        flags: list[bool] = dc.field(default_factory=list)
+        mode: str | bool = "no"
+
+    parsed, extra = ArgumentParser(Script).parse_known_args(["--flags", "true", "false", "--mode"])
+    assert len(parsed.flags) == 2 and extra == []
+    (script,) = ArgumentParser(Script).parse_args_into_dataclasses(["--mode"])
+    assert script.mode is True  # str | bool: the flag alone

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -304,3 +305,42 @@ def test_input_tokens_are_counted_over_every_rank_as_transformers_counts_them(tm
         assert (seen, logged) == (6 * 8, [24, 48, 48])
     (off,) = run_world(tokens_world, 1, args=(str(tmp_path / "no"), "no", [6] * 8))
     assert off == (0, [None] * len(off[1]))
+
+
+def test_label_smoothing_leaves_multi_label_and_labels_it_does_not_smooth_alone(tmp_path, local_world):
+    """As Transformers: no smoothing (a warning) for a multi-label classifier, whose float labels name no class
+    (the gather failed on them); and a batch whose labels are under another name (label_names) keeps its model's
+    own loss and tuple: predict failed, the loss put before the logits twice."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, num_labels=3, problem_type="multi_label_classification")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(5)
+    data = [{"input_ids": torch.randint(1, 40, (6,), generator=g), "labels": torch.rand(3, generator=g).round()}
+            for _ in range(8)]
+    with pytest.warns(UserWarning, match="ignored for a multi-label"):
+        trainer = Trainer(model, trainer_args(tmp_path / "ml", max_steps=2, label_smoothing_factor=0.1), data)
+    assert trainer.label_smoothing == 0.0
+    trainer.train()
+
+    class Targets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x, target=None):
+            logits = self.linear(x)
+            return (logits,) if target is None else (torch.nn.functional.cross_entropy(logits, target), logits)
+
+    samples = [{"x": torch.randn(4, generator=g), "target": torch.tensor(i % 3)} for i in range(6)]
+    found = []
+    for smoothing in (0.0, 0.1):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / str(smoothing), label_names=["target"], label_smoothing_factor=smoothing,
+                            per_device_eval_batch_size=3)
+        found.append(Trainer(Targets(), args, samples).predict(samples))
+    assert found[1].predictions.shape == (6, 3)
+    np.testing.assert_array_equal(found[1].predictions, found[0].predictions)
+    assert found[1].metrics["test_loss"] == found[0].metrics["test_loss"]

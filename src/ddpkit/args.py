@@ -316,7 +316,7 @@ class ArgumentParser(argparse.ArgumentParser):
             kwargs["required"] = True
         if "choices" in field.metadata:
             kwargs["choices"] = list(field.metadata["choices"])
-        if kind is bool or bool in typing.get_args(kind):
+        if kind is bool or typing.get_origin(kind) in (Union, types.UnionType) and bool in typing.get_args(kind):
             # --bf16 alone means true; --bf16 false spells it out, as Transformers accepts (str | bool: any word).
             kwargs.update(type=string_to_bool if kind is bool else str, nargs="?", const=True, metavar="BOOL")
         elif typing.get_origin(kind) is list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -86,6 +87,17 @@ def smoothed_loss(outputs: Any, labels: torch.Tensor, epsilon: float, shift: boo
     spread = negative.sum(-1, keepdim=True, dtype=torch.float32).masked_fill(ignored, 0.0)  # float32 at least
     items = (~ignored).sum() if count is None else torch.as_tensor(count, device=picked.device)
     return (1 - epsilon) * picked.sum() / items + epsilon * spread.sum() / (items * negative.shape[-1])
+
+
+def smoothing_for(model: nn.Module, factor: float) -> float:
+    """The label smoothing the Trainer applies: `factor`, but none (with a warning, as Transformers) for a
+    multi-label classifier, whose float labels name no class to smooth towards."""
+    if factor and getattr(getattr(unwrapped(model), "config", None), "problem_type", None) == \
+            "multi_label_classification":
+        warnings.warn("label_smoothing_factor is ignored for a multi-label classification model (its labels are "
+                      "probabilities, not classes), as Transformers ignores it", UserWarning, stacklevel=3)
+        return 0.0
+    return factor
 
 
 def is_causal_lm(model: nn.Module) -> bool:

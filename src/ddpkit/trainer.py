@@ -89,6 +89,7 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         self.model, self.model_wrapped = prepare_model(model, args, self.world)
         self.precision = Precision.for_args(args, self.world.device, self.comm)
         self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
+        self.label_smoothing = model_io.smoothing_for(self.model, args.label_smoothing_factor)  # 0: none
         self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
         # What prediction_step takes for labels, and whether a batch without them has a loss (Transformers' rules)
         self.label_names = evaluation.label_names_of(self.model, args.label_names)
@@ -302,7 +303,7 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         or label_smoothing_factor, what that makes of the outputs of the model called without the labels
         (num_items_in_batch: the count it divides a sum by, where the model, compute_loss_func or smoothing takes
         one)."""
-        labels, smoothing = None, self.args.label_smoothing_factor
+        labels, smoothing = None, self.label_smoothing
         if (self.compute_loss_func is not None or smoothing) and isinstance(inputs, Mapping) and "labels" in inputs:
             inputs = dict(inputs)
             labels = inputs.pop("labels")
@@ -321,7 +322,7 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
     def _divides_by_count(self) -> bool:
         """Whether compute_loss's loss is a sum over the num_items_in_batch it is given: the model's or
         compute_loss_func's (Transformers' rule), or label smoothing's."""
-        smoothing = self.args.label_smoothing_factor > 0
+        smoothing = self.label_smoothing > 0
         return self.model_accepts_loss_kwargs or self.compute_loss_func is not None or smoothing
 
     def _count_tokens(self, batch: Any) -> int:
