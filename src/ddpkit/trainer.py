@@ -299,12 +299,11 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | None = None):
-        """The model's loss on `inputs`: the mean over the batch's items (see count_items); with compute_loss_func
-        or label_smoothing_factor, what that makes of the outputs of the model called without the labels
-        (num_items_in_batch: the count it divides a sum by, where the model, compute_loss_func or smoothing takes
-        one)."""
+        """The model's loss on `inputs`: the mean over the batch's items (see count_items), or, _loss_of_its_own,
+        its own of the outputs of the model called without the labels (num_items_in_batch: the count it divides a
+        sum by, where the model, compute_loss_func or smoothing takes one)."""
         labels, smoothing = None, self.label_smoothing
-        if (self.compute_loss_func is not None or smoothing) and isinstance(inputs, Mapping) and "labels" in inputs:
+        if self._loss_of_its_own() and isinstance(inputs, Mapping) and "labels" in inputs:
             inputs = dict(inputs)
             labels = inputs.pop("labels")
         if num_items_in_batch is not None and isinstance(inputs, Mapping) and self.model_accepts_loss_kwargs:
@@ -320,10 +319,12 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         return (loss, outputs) if return_outputs else loss
 
     def _divides_by_count(self) -> bool:
-        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given: the model's or
-        compute_loss_func's (Transformers' rule), or label smoothing's."""
-        smoothing = self.label_smoothing > 0
-        return self.model_accepts_loss_kwargs or self.compute_loss_func is not None or smoothing
+        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given (the model's, or its own)."""
+        return self.model_accepts_loss_kwargs or self._loss_of_its_own()
+
+    def _loss_of_its_own(self) -> bool:
+        """Whether compute_loss computes the loss itself (compute_loss_func, label smoothing), from the outputs."""
+        return self.compute_loss_func is not None or self.label_smoothing > 0
 
     def _count_tokens(self, batch: Any) -> int:
         return model_io.count_tokens(batch, self.model, self.args.include_num_input_tokens_seen,

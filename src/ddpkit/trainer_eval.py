@@ -116,8 +116,7 @@ class EvaluationMixin:
         # (only when there is one: a compute_loss override without the argument, as training calls it)
         counted = {} if count is None else {"num_items_in_batch": count}
         loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
-        popped = (self.compute_loss_func is not None or self.label_smoothing) and isinstance(inputs, Mapping) and \
-            "labels" in inputs  # compute_loss gave the model no labels
+        popped = self._loss_of_its_own() and isinstance(inputs, Mapping) and "labels" in inputs  # as compute_loss
         if popped and isinstance(outputs, (list, tuple)):
             outputs = (loss, *outputs)  # the model got no labels: its tuple holds no loss before the logits
         return loss, outputs

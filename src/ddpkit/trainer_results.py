@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from .atomic import replacing
+from .checkpoint import write_json
 
 
 def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -78,14 +79,14 @@ class ResultsMixin:
         if not self.is_world_process_zero():
             return
         os.makedirs(self.args.output_dir, exist_ok=True)
-        _write(os.path.join(self.args.output_dir, f"{split}_results.json"), metrics)
+        write_json(os.path.join(self.args.output_dir, f"{split}_results.json"), metrics)
         if combined:
             path = os.path.join(self.args.output_dir, "all_results.json")
             every: dict[str, Any] = {}
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as f:
                     every = json.load(f)
-            _write(path, {**every, **metrics})
+            write_json(path, {**every, **metrics})
 
     def save_state(self) -> None:
         """output_dir/trainer_state.json: the progress so far (Transformers' TrainerState fields, which its
@@ -157,11 +158,6 @@ def model_card(name: str, header: dict[str, Any], hyperparameters: dict[str, Any
 
 def _listed(value: str | list[str] | None) -> list[str]:
     return [] if value is None else [value] if isinstance(value, str) else list(value)
-
-
-def _write(path: str, values: dict[str, Any]) -> None:
-    with replacing(path) as f:
-        json.dump(values, f, indent=4, sort_keys=True)
 
 
 __all__ = ["ResultsMixin", "metrics_format", "model_card"]
