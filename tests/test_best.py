@@ -58,7 +58,8 @@ def _run(out, resume=None):
     args = trainer_args(out, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps", eval_steps=2,
                  save_strategy="steps", save_steps=2, save_total_limit=2, load_best_model_at_end=True,
                  metric_for_best_model="score", lr_scheduler_type="linear")
-    trainer = Scripted(Classifier().double(), args, classification_data(24), classification_data(6, seed=1))
+    trainer = Scripted(Classifier().double(), args, train_dataset=classification_data(24),
+                       eval_dataset=classification_data(6, seed=1))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -114,8 +115,8 @@ def test_the_final_log_comes_before_the_best_model_is_loaded(tmp_path, local_wor
     args = trainer_args(tmp_path, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps", eval_steps=2,
                         save_strategy="steps", save_steps=2, save_total_limit=2, load_best_model_at_end=True,
                         metric_for_best_model="score")
-    trainer = Scripted(Classifier().double(), args, classification_data(24), classification_data(6, seed=1),
-                       callbacks=[seen])
+    trainer = Scripted(Classifier().double(), args, train_dataset=classification_data(24),
+                       eval_dataset=classification_data(6, seed=1), callbacks=[seen])
     trainer.train()
     assert trainer.state.log_history[-1]["step"] == 8 and "train_runtime" in trainer.state.log_history[-1]
     last, best = Classifier().double(), Classifier().double()

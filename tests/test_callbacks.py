@@ -111,8 +111,8 @@ class StopInsideStep(TrainerCallback):
 def _trainer(out, callbacks, n=24, **kw):
     torch.manual_seed(0)
     args = trainer_args(out, **{"per_device_train_batch_size": 2, "max_steps": 8, **kw})
-    return Trainer(Classifier().double(), args, classification_data(n), eval_dataset=classification_data(6, seed=1),
-                   callbacks=callbacks)
+    return Trainer(Classifier().double(), args, train_dataset=classification_data(n),
+                   eval_dataset=classification_data(6, seed=1), callbacks=callbacks)
 
 
 def callbacks_world(world, out):

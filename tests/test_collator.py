@@ -61,12 +61,12 @@ def test_a_trainer_trains_on_lists_with_a_label_key_and_text(tmp_path, local_wor
 
     torch.manual_seed(0)
     trainer = Trainer(Classifier(), trainer_args(tmp_path / "kept", max_steps=2, per_device_train_batch_size=4),
-                      text_data(8), eval_dataset=text_data(4))
+                      train_dataset=text_data(8), eval_dataset=text_data(4))
     assert np.isfinite(trainer.train().training_loss) and np.isfinite(trainer.evaluate()["eval_loss"])
     assert trainer.predict(text_data(5)).label_ids.tolist() == [0, 1, 2, 0, 1]
     # remove_unused_columns=False passes every key on (but text, which the collator drops), as in Transformers.
     whole = Trainer(Classifier(), trainer_args(tmp_path / "all", max_steps=1, remove_unused_columns=False),
-                    text_data(8))
+                    train_dataset=text_data(8))
     with pytest.raises(TypeError, match="other"):
         whole.train()
 

@@ -136,7 +136,7 @@ def fp16_trainer(world, out, stage):
     data = [{**sample, "x": sample["x"].float()} for sample in classification_data(48)]
     args = trainer_args(f"{out}/run", fp16=True, max_steps=6, save_strategy="steps", save_steps=3,
                  per_device_train_batch_size=4, ddp_zero_stage=stage)
-    trainer = Trainer(model, args, data)
+    trainer = Trainer(model, args, train_dataset=data)
     trainer.train()
     restored = AgreedGradScaler("cuda", init_scale=1.0)
     load_checkpoint(f"{out}/run/checkpoint-6", scaler=restored, world=world)

@@ -19,7 +19,7 @@ from ddpkit.trainer import Trainer, TrainerCallback
 def one_sample_world(world, out):
     torch.manual_seed(0)
     trainer = Trainer(Classifier().double(), trainer_args(out, max_steps=1, per_device_eval_batch_size=2),
-                      classification_data(8),
+                      train_dataset=classification_data(8),
                       eval_dataset=classification_data(1, seed=1), compute_metrics=accuracy)
     trainer.train()
     metrics = trainer.evaluate()
@@ -202,7 +202,7 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world
     torch.manual_seed(0)
     sets = {"a": classification_data(4, seed=1), "b": classification_data(5, seed=2)}
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
-                      classification_data(8), eval_dataset=sets)
+                      train_dataset=classification_data(8), eval_dataset=sets)
     trainer.train()
     logged = [sorted(k for k in e if k.endswith("_loss")) for e in trainer.state.log_history if "eval_a_loss" in e
               or "eval_b_loss" in e]
@@ -334,7 +334,7 @@ def unlabelled_world(world, out):
     found["own loss"] = (sorted(own.evaluate(bare)), "eval_loss" in own.evaluate(test))  # called with labels only
     runs = dict(max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2)
     torch.manual_seed(0)
-    run = Trainer(Classifier().double(), trainer_args(f"{out}/run", **runs), classification_data(8),
+    run = Trainer(Classifier().double(), trainer_args(f"{out}/run", **runs), train_dataset=classification_data(8),
                   eval_dataset=bare)
     run.train()
     found["evaluations"] = [(e["step"], sorted(k for k in e if k.startswith("eval_")))
@@ -342,7 +342,7 @@ def unlabelled_world(world, out):
     torch.manual_seed(0)
     ranked = Trainer(Classifier().double(), trainer_args(f"{out}/best", save_strategy="steps", save_steps=1,
                                                          load_best_model_at_end=True, **runs),
-                     classification_data(8), eval_dataset=bare)
+                     train_dataset=classification_data(8), eval_dataset=bare)
     try:
         ranked.train()
         found["best"] = "no error"
@@ -354,7 +354,7 @@ def unlabelled_world(world, out):
         two = Trainer(Classifier().double(), trainer_args(f"{out}/two-{metric}", save_strategy="steps", save_steps=1,
                                                           load_best_model_at_end=True, metric_for_best_model=metric,
                                                           **runs),
-                      classification_data(8), eval_dataset={"a": test, "b": bare})
+                      train_dataset=classification_data(8), eval_dataset={"a": test, "b": bare})
         try:
             two.train()
         except KeyError as exc:

@@ -29,8 +29,8 @@ class EpochEvents(TrainerCallback):
 def _trainer(out, callbacks, **kw):
     torch.manual_seed(0)
     args = trainer_args(out, **{"per_device_train_batch_size": 4, **kw})
-    return Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1),
-                   callbacks=callbacks)
+    return Trainer(Classifier().double(), args, train_dataset=classification_data(20),
+                   eval_dataset=classification_data(6, seed=1), callbacks=callbacks)
 
 
 def test_every_epoch_ends_with_on_epoch_end_the_last_one_too(tmp_path, local_world):

@@ -120,7 +120,7 @@ def gpt2_world(world, out, loss_type, batch, accum):
 
     model = gpt2(loss_type)
     args = trainer_args(out, per_device_train_batch_size=batch, gradient_accumulation_steps=accum, **STEPS)
-    trainer = Trainer(model, args, sequences(), data_collator=collate)
+    trainer = Trainer(model, args, train_dataset=sequences(), data_collator=collate)
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
 
@@ -182,7 +182,7 @@ def bert_world(world, out, batch, smoothing=0.0):
     data = [{"input_ids": torch.randint(1, 40, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(8)]
     args = trainer_args(out, per_device_train_batch_size=batch, label_smoothing_factor=smoothing,
                         **{**STEPS, "max_grad_norm": 1.0})
-    trainer = Trainer(model, args, data)
+    trainer = Trainer(model, args, train_dataset=data)
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e], params_of(model)
 

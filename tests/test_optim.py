@@ -145,7 +145,7 @@ def optim_world(world, out, batch):
         model.net[2].p = 0.0  # dropout masks would differ between 1 and 2 processes
         args = trainer_args(f"{out}/{optim}-{stage}", per_device_train_batch_size=batch, max_steps=4, max_grad_norm=0.5,
                      optim=optim, optim_args=extra, ddp_zero_stage=stage, weight_decay=0.01)
-        trainer = Trainer(model, args, classification_data(30))
+        trainer = Trainer(model, args, train_dataset=classification_data(30))
         trainer.train()
         inner = getattr(trainer.optimizer, "optim", trainer.optimizer)
         results[(optim, stage)] = (params_of(model), [e["loss"] for e in trainer.state.log_history if "loss" in e],
@@ -175,7 +175,7 @@ def _resumable(out, optim, extra, stage, resume=None):
     model = Classifier().double()  # dropout on: the restored RNG gives the same masks
     args = trainer_args(out, per_device_train_batch_size=3, max_steps=6, optim=optim, optim_args=extra,
                  ddp_zero_stage=stage, save_strategy="steps", save_steps=3, weight_decay=0.01)
-    Trainer(model, args, classification_data(30)).train(resume_from_checkpoint=resume)
+    Trainer(model, args, train_dataset=classification_data(30)).train(resume_from_checkpoint=resume)
     return params_of(model)
 
 
@@ -241,7 +241,7 @@ def clipped_world(world, out):
         model.net[2].p = 0.0
         args = trainer_args(f"{out}/{stage}", per_device_train_batch_size=2, max_steps=4, max_grad_norm=1.0,
                             ddp_zero_stage=stage, weight_decay=0.1)
-        Trainer(model, args, classification_data(32), callbacks=[grads]).train()
+        Trainer(model, args, train_dataset=classification_data(32), callbacks=[grads]).train()
         found[stage] = (params_of(model), grads.seen)
     refused = {}
     for stage, make in ((1, torch.optim.AdamW), (2, torch.optim.AdamW),
@@ -249,7 +249,7 @@ def clipped_world(world, out):
                         (1, lambda p: ddpkit.ZeroRedundancyOptimizer(p, torch.optim.AdamW))):
         model = Classifier().double()
         try:
-            Trainer(model, trainer_args(f"{out}/given", ddp_zero_stage=stage), classification_data(30),
+            Trainer(model, trainer_args(f"{out}/given", ddp_zero_stage=stage), train_dataset=classification_data(30),
                     optimizers=(make(model.parameters()), None))
             refused[len(refused)] = "accepted"
         except ArgumentError as exc:

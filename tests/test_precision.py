@@ -184,7 +184,7 @@ def _fp16_run(out, resume=None):
     args = trainer_args(out, per_device_train_batch_size=4, max_steps=8, save_strategy="steps", save_steps=4,
                  lr_scheduler_type="linear")
     data = [{**sample, "x": sample["x"].float()} for sample in classification_data(40)]
-    trainer = ScaleTrace(model, args, data)
+    trainer = ScaleTrace(model, args, train_dataset=data)
     trainer.train(resume_from_checkpoint=resume)
     return trainer.scales, params_of(model), trainer.lr_scheduler.last_epoch, sorted(os.listdir(f"{out}/checkpoint-8"))
 

@@ -23,7 +23,8 @@ def test_logs_state_metrics_and_loss_curve(tmp_path, local_world):
     torch.manual_seed(0)
     args = trainer_args(tmp_path, max_steps=9, logging_steps=2, per_device_train_batch_size=4, eval_strategy="steps",
                  eval_steps=3, save_strategy="steps", save_steps=2, save_total_limit=2, lr_scheduler_type="linear")
-    trainer = Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1),
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(20),
+                      eval_dataset=classification_data(6, seed=1),
                       compute_metrics=accuracy)
     trainer.train()
     with open(tmp_path / "trainer_state.json") as f:
@@ -61,7 +62,7 @@ def test_without_matplotlib_one_line_says_how_to_get_the_plot(tmp_path, local_wo
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2), classification_data(8))
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2), train_dataset=classification_data(8))
     assert trainer.train().global_step == 2
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if "matplotlib" in line] == [
@@ -80,7 +81,7 @@ def test_a_single_logged_step_draws(tmp_path):
 
 def test_report_to_tensorboard(tmp_path, local_world):
     args = trainer_args(tmp_path, max_steps=2, report_to="tensorboard")
-    trainer = Trainer(Classifier().double(), args, classification_data(8))
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(8))
     try:
         import tensorboard  # noqa: F401
     except ImportError:
@@ -157,7 +158,8 @@ def test_speed_metrics_are_rounded_as_transformers_rounds_them(tmp_path, local_w
     monkeypatch.undo()
     torch.manual_seed(0)
     args = trainer_args(tmp_path, max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=3)
-    trainer = Trainer(Classifier().double(), args, classification_data(20), classification_data(6, seed=1))
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(20),
+                      eval_dataset=classification_data(6, seed=1))
     output = trainer.train()
     train = dict.fromkeys(["train_runtime", "train_samples_per_second", "train_steps_per_second"], True)
     assert _rounded(output.metrics) == _rounded(trainer.state.log_history[-1]) == train

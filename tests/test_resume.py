@@ -93,7 +93,7 @@ def _resumable_run(out_dir, resume=None, max_steps=8, n=26, save_steps=3, loggin
     args = trainer_args(out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
                  save_strategy="steps", save_steps=save_steps, lr_scheduler_type="cosine", warmup_steps=2,
                  logging_steps=logging_steps)
-    trainer = Recorder(model, args, classification_data(n))
+    trainer = Recorder(model, args, train_dataset=classification_data(n))
     train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
     logs = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in trainer.state.log_history
             if "loss" in e]
@@ -251,7 +251,7 @@ def epochs_across_worlds(world, out, resume):
     torch.manual_seed(0)
     args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                  num_train_epochs=2, save_strategy="steps", save_steps=2)
-    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(24))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.seen, trainer.state.global_step
 
@@ -275,7 +275,7 @@ def dropped_tails_across_worlds(world, out, resume):
     torch.manual_seed(0)
     args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                         num_train_epochs=2, save_strategy="epoch", dataloader_drop_last=True)
-    trainer = Recorder(Classifier().double(), args, classification_data(22))
+    trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(22))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.seen, trainer.state.global_step
 
@@ -297,7 +297,7 @@ def small_rest_across_worlds(world, out, resume):
     torch.manual_seed(0)
     args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, num_train_epochs=3,
                         save_strategy="steps", save_steps=19)
-    trainer = Recorder(Classifier().double(), args, classification_data(26))
+    trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(26))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.seen, trainer.state.global_step, trainer.state.epoch
 
@@ -320,7 +320,7 @@ def tail_dropped_at_a_save(world, out, resume):
     torch.manual_seed(0)
     args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=4, num_train_epochs=2,
                         save_strategy="steps", save_steps=3, dataloader_drop_last=True)
-    trainer = Recorder(Classifier().double(), args, classification_data(40))
+    trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(40))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.seen, trainer.state.global_step, trainer.state.epoch
 
@@ -344,7 +344,7 @@ def more_epochs(world, out):
         torch.manual_seed(0)
         args = trainer_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                             num_train_epochs=epochs, save_strategy="epoch")
-        trainer = Recorder(Classifier().double(), args, classification_data(24))
+        trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(24))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.train(resume_from_checkpoint=resume)
@@ -369,14 +369,14 @@ def restarted_with_a_named_checkpoint(world, out):
     torch.manual_seed(0)
     args = trainer_args(f"{out}/run", per_device_train_batch_size=2, max_steps=8, save_strategy="steps", save_steps=2,
                  save_total_limit=1, resume_from_checkpoint=f"{out}/run/checkpoint-2")
-    trainer = Recorder(Classifier().double(), args, classification_data(24))
+    trainer = Recorder(Classifier().double(), args, train_dataset=classification_data(24))
     trainer.train()
     return trainer.seen, trainer.world.restart
 
 
 def first_run(world, out):
     args = trainer_args(f"{out}/first", per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2)
-    Trainer(Classifier().double(), args, classification_data(24)).train()
+    Trainer(Classifier().double(), args, train_dataset=classification_data(24)).train()
 
 
 def test_a_restart_continues_from_the_newest_checkpoint(tmp_path):

@@ -209,7 +209,7 @@ def _train(out, max_steps, restart=0, save_steps=2, job=None, callbacks=None, **
     model = Classifier().double()
     args = trainer_args(out, per_device_train_batch_size=2, max_steps=max_steps, save_strategy="steps",
                         save_steps=save_steps, save_total_limit=2, **kw)
-    trainer = Steps(model, args, classification_data(24), callbacks=callbacks)
+    trainer = Steps(model, args, train_dataset=classification_data(24), callbacks=callbacks)
     trainer.steps = []
     # what the launcher's TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_RUN_ID tell a (restarted) worker
     trainer.world = dataclasses.replace(trainer.world, restart=restart, job=job)
@@ -290,7 +290,7 @@ def _pretrain_then_continue(out, restart, crash_at=None, limit=None):
     model = Classifier().double()
     crash = Crash(None)
     trainer = Steps(model, trainer_args(out, per_device_train_batch_size=2, max_steps=6, save_strategy="steps",
-                                        save_steps=3, save_total_limit=limit), classification_data(24),
+                                        save_steps=3, save_total_limit=limit), train_dataset=classification_data(24),
                     callbacks=[crash])
     trainer.world = dataclasses.replace(trainer.world, restart=restart, job="L")
     trainer.steps = []

@@ -28,10 +28,6 @@ from conftest import (
 
 from ddpkit.trainer import Trainer, TrainerCallback
 
-# -- models and data ---------------------------------------------------------------------------------------------
-
-
-
 
 # -- equivalence with one process, uneven data, exact evaluation ------------------------------------------------
 
@@ -85,13 +81,13 @@ def equivalence_world(world, out, batch, accum, uneven):
     torch.manual_seed(0)
     model = Classifier().double()
     model.net[2].p = 0.0  # dropout masks would differ between 1 and 2 processes
-    trainer = Trainer(model, trainer_args(f"{out}/cls", **kw), classification_data(30))
+    trainer = Trainer(model, trainer_args(f"{out}/cls", **kw), train_dataset=classification_data(30))
     trainer.train()
     results["cls"] = (params_of(model), [e["loss"] for e in trainer.state.log_history if "loss" in e])
     # Variable-length sequences: items (tokens) per rank and per micro-batch differ at every step.
     torch.manual_seed(0)
     model = Tagger().double()
-    trainer = Trainer(model, trainer_args(f"{out}/tok", **kw), token_data(30), data_collator=pad_collate)
+    trainer = Trainer(model, trainer_args(f"{out}/tok", **kw), train_dataset=token_data(30), data_collator=pad_collate)
     trainer.train()
     results["tok"] = (params_of(model), [e["loss"] for e in trainer.state.log_history if "loss" in e])
     # Exact evaluation: 7 samples on 2 ranks (4 + 3), none counted twice.
@@ -110,7 +106,7 @@ def equivalence_world(world, out, batch, accum, uneven):
         model.net[2].p = 0.0
         args = trainer_args(f"{out}/uneven", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                      num_train_epochs=1, max_grad_norm=0.5)
-        trainer = UnevenTrainer(model, args, classification_data(14))
+        trainer = UnevenTrainer(model, args, train_dataset=classification_data(14))
         trainer.train()
         results["uneven"] = (params_of(model), trainer.state.global_step, uneven_truth(classification_data(14), args))
     return results
@@ -208,8 +204,8 @@ def test_every_kind_of_model_output_trains(model_cls, trainer_cls, bf16, tmp_pat
     model = model_cls()
     data = [{k: v.float() if k == "x" else v for k, v in s.items()} for s in classification_data(40)]
     args = trainer_args(tmp_path, max_steps=6, per_device_train_batch_size=8, bf16=bf16)
-    trainer = trainer_cls(model, args, data, data[:10], compute_metrics=accuracy if model_cls is not
-                          TensorOutput else None)
+    trainer = trainer_cls(model, args, train_dataset=data, eval_dataset=data[:10],
+                          compute_metrics=accuracy if model_cls is not TensorOutput else None)
     out = trainer.train()
     assert out.global_step == 6 and math.isfinite(out.training_loss)
     metrics = trainer.evaluate()
@@ -221,13 +217,14 @@ def test_every_kind_of_model_output_trains(model_cls, trainer_cls, bf16, tmp_pat
 def test_trainer_errors_name_the_problem(tmp_path, local_world):
     from ddpkit.args import ArgumentError
 
+    data = classification_data(8)
     with pytest.raises(ArgumentError, match="gradient_checkpointing"):
-        Trainer(Classifier(), trainer_args(tmp_path, gradient_checkpointing=True), classification_data(8))
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2), classification_data(8))
+        Trainer(Classifier(), trainer_args(tmp_path, gradient_checkpointing=True), train_dataset=data)
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2), train_dataset=data)
     with pytest.raises(ArgumentError, match="resume_from_checkpoint"):
         trainer.train(resume_from_checkpoint=True)
     with pytest.raises(ValueError, match="no scalar loss"):
-        Trainer(LogitsOnly().double(), trainer_args(tmp_path, max_steps=2), classification_data(8)).train()
+        Trainer(LogitsOnly().double(), trainer_args(tmp_path, max_steps=2), train_dataset=data).train()
 
 
 def test_a_second_train_call_trains_again_as_in_transformers(tmp_path, local_world):
@@ -245,7 +242,7 @@ def test_a_second_train_call_trains_again_as_in_transformers(tmp_path, local_wor
     kw = dict(max_steps=3, per_device_train_batch_size=4, lr_scheduler_type="linear", save_strategy="steps",
               save_steps=3)
     model = made()
-    trainer = Trainer(model, trainer_args(tmp_path / "twice", **kw), classification_data(24))
+    trainer = Trainer(model, trainer_args(tmp_path / "twice", **kw), train_dataset=classification_data(24))
     trainer.train()
     after_first, first_log = params_of(model), copy.deepcopy(trainer.state.log_history)
     out = trainer.train()
@@ -257,11 +254,11 @@ def test_a_second_train_call_trains_again_as_in_transformers(tmp_path, local_wor
     assert "checkpoint-3" in names and len([n for n in names if n.startswith("checkpoint-3.run-")]) == 1
 
     truth_model = made()
-    first = Trainer(truth_model, trainer_args(tmp_path / "first", **kw), classification_data(24))
+    first = Trainer(truth_model, trainer_args(tmp_path / "first", **kw), train_dataset=classification_data(24))
     first.train()
     np.testing.assert_array_equal(np.concatenate([p.ravel() for p in params_of(truth_model)]),
                                   np.concatenate([p.ravel() for p in after_first]))
-    Trainer(truth_model, trainer_args(tmp_path / "second", **kw), classification_data(24),
+    Trainer(truth_model, trainer_args(tmp_path / "second", **kw), train_dataset=classification_data(24),
             optimizers=(first.optimizer, None)).train()
     for got, want, before in zip(params_of(model), params_of(truth_model), after_first):
         np.testing.assert_array_equal(got, want)
@@ -344,8 +341,9 @@ def test_logs_and_evaluation_metrics_carry_the_epoch_as_in_transformers(tmp_path
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.seen.append(dict(logs))
 
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4),
-                      classification_data(8), eval_dataset=classification_data(4, seed=1), callbacks=[Logs()])
+    args = trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4)
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(8),
+                      eval_dataset=classification_data(4, seed=1), callbacks=[Logs()])
     assert trainer.evaluate()["epoch"] == 0.0
     trainer.train()
     assert Logs.seen[1:] == [{k: v for k, v in e.items() if k != "step"} for e in trainer.state.log_history]
@@ -367,7 +365,7 @@ def test_train_loss_counts_the_last_step_when_a_callback_stops_between_two_logs(
         torch.manual_seed(0)
         trainer = Trainer(Classifier().double(), trainer_args(tmp_path / name, max_steps=10,
                                                               logging_steps=logging_steps),
-                          classification_data(40), callbacks=[StopAfter(3)])
+                          train_dataset=classification_data(40), callbacks=[StopAfter(3)])
         out = trainer.train()
         assert out.global_step == 3
         return out.training_loss, [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -382,7 +380,7 @@ def test_an_eval_strategy_without_an_eval_dataset_is_refused(tmp_path, local_wor
     from ddpkit.args import ArgumentError
 
     with pytest.raises(ArgumentError, match="eval_strategy: is 'steps' but the Trainer got no eval_dataset"):
-        Trainer(Classifier(), trainer_args(tmp_path, eval_strategy="steps"), classification_data(8))
+        Trainer(Classifier(), trainer_args(tmp_path, eval_strategy="steps"), train_dataset=classification_data(8))
 
 
 def test_a_compute_loss_override_without_num_items_evaluates(tmp_path, local_world):
@@ -394,6 +392,6 @@ def test_a_compute_loss_override_without_num_items_evaluates(tmp_path, local_wor
             return super().compute_loss(model, inputs, return_outputs)
 
     trainer = Mine(Classifier().double(), trainer_args(tmp_path, max_steps=1, per_device_train_batch_size=4),
-                   classification_data(8), eval_dataset=classification_data(4, seed=1))
+                   train_dataset=classification_data(8), eval_dataset=classification_data(4, seed=1))
     trainer.train()
     assert math.isfinite(trainer.evaluate()["eval_loss"])

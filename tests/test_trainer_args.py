@@ -17,7 +17,7 @@ from ddpkit.trainer import Trainer
 def run(out, **kw):
     torch.manual_seed(0)
     trainer = Trainer(Classifier().double(), trainer_args(out, per_device_train_batch_size=4, **kw),
-                      classification_data(16), eval_dataset=classification_data(4, seed=1))
+                      train_dataset=classification_data(16), eval_dataset=classification_data(4, seed=1))
     trainer.train()
     return trainer
 
@@ -81,7 +81,7 @@ def test_a_stop_checkpoint_is_whole_under_save_only_model(tmp_path, local_world)
     torch.manual_seed(0)
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=4,
                                                           save_strategy="steps", save_steps=1, save_only_model=True),
-                      classification_data(16), callbacks=[Interrupt()])
+                      train_dataset=classification_data(16), callbacks=[Interrupt()])
     trainer.train()
     stopped = trainer.state.global_step
     assert Interrupt.saved == [1, 2, 3] and stopped == 3

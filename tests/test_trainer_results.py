@@ -20,7 +20,7 @@ def test_after_training_the_results_are_printed_and_written_as_transformers_does
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, per_device_train_batch_size=4, max_steps=3),
-                      classification_data(16))
+                      train_dataset=classification_data(16))
     result = trainer.train()
     assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
     assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in Classifier().parameters())
@@ -89,7 +89,8 @@ def test_a_script_reads_the_process_off_its_arguments_and_writes_a_model_card(tm
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name)
 
-    trainer = Trainer(Classifier().double(), args, classification_data(16), eval_dataset=classification_data(4))
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(16),
+                      eval_dataset=classification_data(4))
     trainer.train()
     trainer.create_model_card(finetuned_from="tiny-base", tasks="text-classification", dataset="synthetic",
                               tags="test", license="mit")

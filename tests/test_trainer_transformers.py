@@ -36,7 +36,7 @@ def sequences(n=16):
 def flos_world(world, out):
     """2 steps of 2 samples a rank, a checkpoint after each; then a resume from the first."""
     args = dict(max_steps=2, per_device_train_batch_size=2, save_strategy="steps", save_steps=1)
-    trainer = Trainer(gpt2(), trainer_args(out, **args), sequences())
+    trainer = Trainer(gpt2(), trainer_args(out, **args), train_dataset=sequences())
     metrics = trainer.train().metrics
     with open(f"{out}/checkpoint-1/trainer_state.json") as f:
         saved = json.load(f)["total_flos"]
@@ -47,7 +47,7 @@ def flos_world(world, out):
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
     assert loaded.config.architectures == ["GPT2LMHeadModel"]
     assert os.path.isfile(f"{out}/checkpoint-2/generation_config.json")
-    resumed = Trainer(gpt2(), trainer_args(out, **args), sequences()).train(f"{out}/checkpoint-1").metrics
+    resumed = Trainer(gpt2(), trainer_args(out, **args), train_dataset=sequences()).train(f"{out}/checkpoint-1").metrics
     return metrics["total_flos"], logged, saved, resumed["total_flos"]
 
 
@@ -68,7 +68,7 @@ def test_total_flos_is_transformers_summed_over_the_ranks(tmp_path):
 def test_a_model_without_num_parameters_counts_nothing(tmp_path, local_world):
     """As Transformers: 0 operations where the model cannot say (and no all-reduce spent on summing them)."""
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4),
-                      classification_data(8))
+                      train_dataset=classification_data(8))
     assert trainer.train().metrics["total_flos"] == 0.0 and not trainer._counts_flos
 
 
@@ -82,7 +82,7 @@ def test_a_stopped_run_reports_the_flos_its_checkpoint_holds(tmp_path, local_wor
             trainer._stop.requested = True
 
     data = sequences()
-    trainer = Trainer(gpt2(), trainer_args(tmp_path, max_steps=4, per_device_train_batch_size=4), data,
+    trainer = Trainer(gpt2(), trainer_args(tmp_path, max_steps=4, per_device_train_batch_size=4), train_dataset=data,
                       callbacks=[Interrupt()])
     metrics = trainer.train().metrics
     with open(tmp_path / "checkpoint-2" / "trainer_state.json") as f:
@@ -117,7 +117,7 @@ def test_a_checkpoint_s_trainer_state_loads_in_transformers(tmp_path, local_worl
 
     args = trainer_args(tmp_path, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                         save_strategy="steps", save_steps=2)
-    trainer = Trainer(Classifier().double(), args, classification_data(16))
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(16))
     trainer.train()
     for step in (2, 4):
         loaded = transformers.TrainerState.load_from_json(str(tmp_path / f"checkpoint-{step}" / "trainer_state.json"))
@@ -159,7 +159,7 @@ def test_a_tokenizer_as_processing_class_pads_and_is_saved_as_transformers_does(
             seen.append(processing_class)
 
     args = trainer_args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=2)
-    trainer = Trainer(model, args, data, processing_class=tokenizer, callbacks=[Sees()])
+    trainer = Trainer(model, args, train_dataset=data, processing_class=tokenizer, callbacks=[Sees()])
     assert isinstance(trainer.data_collator, transformers.DataCollatorWithPadding) and seen == []
     trainer.train()
     assert seen == [tokenizer]
@@ -195,7 +195,7 @@ def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp
         torch.manual_seed(0)
         args = trainer_args(tmp_path / str(len(trained)), max_steps=3, per_device_train_batch_size=3,
                             gradient_accumulation_steps=2)
-        trainer = Trainer(Classifier().double(), args, classification_data(18), **kwargs,
+        trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(18), **kwargs,
                           compute_metrics=accuracy, preprocess_logits_for_metrics=lambda logits, _: logits.argmax(-1))
         trainer.train()
         trained.append(trainer.model.state_dict())
@@ -213,7 +213,7 @@ def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp
 
 
 def test_optimizer_cls_and_kwargs_makes_the_trainers_optimizer(tmp_path, local_world):
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=1), classification_data(8),
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=1), train_dataset=classification_data(8),
                       optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.3, "momentum": 0.5}))
     trainer.train()
     assert type(trainer.optimizer) is torch.optim.SGD
@@ -236,7 +236,7 @@ def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tm
                     f.write('{"mine": true}')
 
     args = trainer_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
-    Trainer(gpt2(), args, sequences(4), processing_class=Processor()).train()
+    Trainer(gpt2(), args, train_dataset=sequences(4), processing_class=Processor()).train()
     folder = tmp_path / "checkpoint-1"
     load_checkpoint(str(folder))  # every file as its marker says
     with open(folder / "config.json") as f:
@@ -246,7 +246,7 @@ def test_a_processor_that_writes_ddpkits_names_or_folders_loses_no_checkpoint(tm
     (folder / "templates" / "tool_use.jinja").write_text('{"mine": fals}')
     with pytest.raises(CheckpointError, match="templates/tool_use.jinja"):
         load_checkpoint(str(folder))
-    Trainer(gpt2(), args, sequences(4), processing_class=Processor()).save_model(str(tmp_path / "final"))
+    Trainer(gpt2(), args, train_dataset=sequences(4), processing_class=Processor()).save_model(str(tmp_path / "final"))
     with open(tmp_path / "final" / "config.json") as f:  # the model's, which from_pretrained needs
         assert json.load(f)["model_type"] == "gpt2"
 
@@ -259,7 +259,7 @@ def failing_save_world(world, out):
         def save_pretrained(self, path):
             raise OSError("disk full")
 
-    trainer = Trainer(Classifier().double(), trainer_args(out, ddp_timeout=120), classification_data(8),
+    trainer = Trainer(Classifier().double(), trainer_args(out, ddp_timeout=120), train_dataset=classification_data(8),
                       processing_class=Broken())
     began = time.monotonic()
     try:
@@ -289,7 +289,7 @@ def tokens_world(world, out, how, lengths):
     data = [{"input_ids": torch.randint(0, 50, (n,), generator=g)} for n in lengths]
     args = trainer_args(out, max_steps=len(lengths) // (2 * world.world_size), per_device_train_batch_size=2,
                         include_num_input_tokens_seen=how)
-    trainer = Trainer(gpt2(), args, data, data_collator=collate)
+    trainer = Trainer(gpt2(), args, train_dataset=data, data_collator=collate)
     trainer.train()
     return trainer.state.num_input_tokens_seen, [e.get("num_input_tokens_seen") for e in trainer.state.log_history]
 
@@ -321,7 +321,8 @@ def test_label_smoothing_leaves_multi_label_and_labels_it_does_not_smooth_alone(
     data = [{"input_ids": torch.randint(1, 40, (6,), generator=g), "labels": torch.rand(3, generator=g).round()}
             for _ in range(8)]
     with pytest.warns(UserWarning, match="ignored for a multi-label"):
-        trainer = Trainer(model, trainer_args(tmp_path / "ml", max_steps=2, label_smoothing_factor=0.1), data)
+        trainer = Trainer(model, trainer_args(tmp_path / "ml", max_steps=2, label_smoothing_factor=0.1),
+                          train_dataset=data)
     assert trainer.label_smoothing == 0.0
     trainer.train()
 
@@ -340,7 +341,46 @@ def test_label_smoothing_leaves_multi_label_and_labels_it_does_not_smooth_alone(
         torch.manual_seed(0)
         args = trainer_args(tmp_path / str(smoothing), label_names=["target"], label_smoothing_factor=smoothing,
                             per_device_eval_batch_size=3)
-        found.append(Trainer(Targets(), args, samples).predict(samples))
+        found.append(Trainer(Targets(), args, train_dataset=samples).predict(samples))
     assert found[1].predictions.shape == (6, 3)
     np.testing.assert_array_equal(found[1].predictions, found[0].predictions)
     assert found[1].metrics["test_loss"] == found[0].metrics["test_loss"]
+
+
+def test_the_trainer_takes_transformers_arguments_in_transformers_order(tmp_path, local_world):
+    """Trainer(model, args, data_collator, train_dataset, ...) as Transformers' Trainer: ddpkit's took train_dataset
+    third, so a script's positional collator became the data. A dataset there is refused, naming the keywords."""
+    import inspect
+
+    import transformers
+
+    ours, theirs = (list(inspect.signature(t.__init__).parameters) for t in (Trainer, transformers.Trainer))
+    assert ours == theirs
+    collate = lambda samples: {"x": torch.stack([s["x"] for s in samples])}  # noqa: E731 - a positional collator
+    assert Trainer(Classifier(), trainer_args(tmp_path / "order"), collate).data_collator is collate
+    with pytest.raises(TypeError, match="pass the datasets by name"):
+        Trainer(Classifier(), trainer_args(tmp_path / "data"), classification_data(8))
+
+
+def test_model_init_makes_the_model_after_the_seed_as_transformers_train_does(tmp_path, local_world):
+    """Transformers' train() seeds, then calls model_init (with the trial None where it takes an argument): the same
+    weights here, made once at construction. A model given beside it is replaced (a warning); neither, or a
+    model_init of two arguments, is a RuntimeError, as there."""
+    import transformers
+
+    data = classification_data(8)
+    hf_args = transformers.TrainingArguments(str(tmp_path / "hf"), seed=7, learning_rate=0.0, max_steps=1,
+                                             use_cpu=True, report_to="none", save_strategy="no")
+    hf = transformers.Trainer(model_init=lambda: Classifier().double(), args=hf_args, train_dataset=data)
+    hf.train()
+    torch.manual_seed(0)  # whatever came before: model_init runs after the args' seed
+    mine = Trainer(args=trainer_args(tmp_path / "mine"), train_dataset=data, model_init=lambda trial: Classifier())
+    for got, want in zip(mine.model.state_dict().values(), hf.model.state_dict().values()):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="model_init's model replaces it"):
+        both = Trainer(torch.nn.Linear(2, 2), trainer_args(tmp_path / "both"), model_init=lambda: Classifier())
+    assert isinstance(both.model, Classifier)
+    with pytest.raises(RuntimeError, match="either a `model` or `model_init`"):
+        Trainer(args=trainer_args(tmp_path / "none"))
+    with pytest.raises(RuntimeError, match="0 or 1 argument"):
+        Trainer(args=trainer_args(tmp_path / "two"), model_init=lambda a, b: Classifier())

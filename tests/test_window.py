@@ -172,7 +172,7 @@ def test_a_ctrl_c_ends_one_train_call_and_the_next_trains_on(tmp_path, local_wor
     """A notebook's pattern: Ctrl-C stops train() after the next step with a checkpoint; train() again trains.
     Before, the stop stayed asked: every later call ran one step and stopped (global_step 4, then 1)."""
     trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=8, per_device_train_batch_size=4),
-                      classification_data(20), callbacks=[CtrlCAtStep2()])
+                      train_dataset=classification_data(20), callbacks=[CtrlCAtStep2()])
     first = trainer.train()
     assert first.global_step == 3 and first.metrics["stopped"] == 1.0
     resumed = trainer.train(resume_from_checkpoint=True)

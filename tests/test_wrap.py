@@ -62,7 +62,7 @@ def _train(out, **kw):
     # wrapper inside the compiled module): every batch is full, so Dynamo compiles one shape.
     args = trainer_args(out, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4,
                  save_strategy="steps", save_steps=4, ddp_replica_check_steps=2, **kw)
-    trainer = Trainer(model, args, classification_data(24), eval_dataset=classification_data(6, seed=1))
+    trainer = Trainer(model, args, train_dataset=classification_data(24), eval_dataset=classification_data(6, seed=1))
     trainer.train()
     trainer.save_model()
     ddp = ddp_of(trainer.model_wrapped)

@@ -146,7 +146,7 @@ def trainer_run(world, out, stage, resume, accumulation):
     args = trainer_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=6,
                  save_strategy="steps", save_steps=2, max_grad_norm=0.1, ddp_zero_stage=stage,
                  ddp_replica_check_steps=1)
-    trainer = Trainer(model, args, classification_data(32))
+    trainer = Trainer(model, args, train_dataset=classification_data(32))
     trainer.train(resume_from_checkpoint=resume)
     return [(e["step"], e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
 

@@ -5,7 +5,7 @@
             if logs and logs.get("loss", 1.0) < 0.1:
                 control.should_training_stop = True
 
-    trainer = Trainer(model, args, train_dataset, callbacks=[StopAtLoss()])
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[StopAtLoss()])
 
 Each event gets (args, state, control, **kwargs): the TrainingArguments, the TrainerState, the TrainerControl, and
 model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, plus `logs` (on_log) or `metrics`

@@ -53,6 +53,16 @@ def default_collator(processing_class: Any = None) -> Callable[[Sequence[Any]], 
     return default_data_collator
 
 
+def check_collator(data_collator: Any) -> None:
+    """A TypeError for a data_collator that is not a function (a dataset passed where Transformers' Trainer takes
+    the collator: its third positional argument)."""
+    if data_collator is not None and not callable(data_collator):
+        raise TypeError(f"data_collator is a {type(data_collator).__name__}, not a function of a list of samples. "
+                        "As in Transformers, the Trainer's arguments are (model, args, data_collator, train_dataset, "
+                        "eval_dataset, ...): pass the datasets by name, Trainer(model, args, train_dataset=..., "
+                        "eval_dataset=...)")
+
+
 def _labels(values: list[Any], by_first_element: bool) -> torch.Tensor:
     """Labels as a tensor, with Transformers' dtype rule: "label" by the value itself (an integer or a bool: long;
     anything else, a list of labels too (multi-label), float), "label_ids" by its first element."""
@@ -110,4 +120,4 @@ def without_unused_columns(collate: Callable, model: nn.Module,
     return collate_used
 
 
-__all__ = ["default_collator", "default_data_collator", "forward_columns", "without_unused_columns"]
+__all__ = ["check_collator", "default_collator", "default_data_collator", "forward_columns", "without_unused_columns"]

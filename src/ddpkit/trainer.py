@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=2 examples/train_digits.py --output_dir out         # two processes, one machine
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=host0:29500 train.py  # two nodes
 
-    trainer = Trainer(model, TrainingArguments(output_dir="out"), train_dataset, eval_dataset,
-                      compute_metrics=accuracy)
+    trainer = Trainer(model, TrainingArguments(output_dir="out"), train_dataset=train, eval_dataset=test,
+                      compute_metrics=accuracy)   # Transformers' arguments, in its order
     trainer.train()                       # or train(resume_from_checkpoint=True) for the newest checkpoint
     trainer.evaluate()
     trainer.save_model()
@@ -18,6 +18,7 @@ items (labels other than -100, or samples), so N ranks x accumulation equal one 
 
 Its parts live beside it: the order of epochs, steps and events (loop.py), the model made ready (wrap.py), the step
 plan (plan.py), a step's agreement and the SIGTERM stop (window.py), one optimizer step (step.py, precision.py),
+a micro-batch's loss, item and token counts and flos (trainer_loss.py),
 the sampler, loaders and collation (trainer_data.py), evaluate and predict (trainer_eval.py, evaluation.py), what
 scripts call after training (trainer_results.py), which checkpoint to resume from (resume.py), writing
 checkpoints and the best one (saves.py, best.py), callbacks and their agreed control (callbacks.py), logs,
@@ -29,7 +30,7 @@ remove_unused_columns (collator.py), the shapes of batches and outputs (model_io
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,11 +39,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import evaluation, model_io, optim, resume, runs, step
 from .best import BestModel
-from .collator import default_collator
+from .collator import check_collator, default_collator
 from .saves import Saves, saved_processor
 from .callbacks import Agreement, CallbackHandler, TrainerCallback, TrainerControl
 from .args import ArgumentError, TrainingArguments, trainer_arguments
-from .comm import Comm, init_process_group, max_over_ranks, sum_over_ranks
+from .comm import Comm, init_process_group, max_over_ranks
 from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, epochs_to_train, plan_for
@@ -54,14 +55,15 @@ from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
 from .trainer_data import DataMixin
 from .trainer_eval import EvaluationMixin
+from .trainer_loss import LossMixin
 from .trainer_results import ResultsMixin
 from .window import StopRequest, Window
-from .wrap import prepare_model
+from .wrap import model_from, prepare_model
 
 get_scheduler = optim.get_scheduler
 
 
-class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
+class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
     """Trains `model` on `train_dataset` with `args` on every process of the world the launcher started.
 
     The model returns a loss (a tensor, a dict with "loss", or an object with `.loss`) that is the mean over the
@@ -69,14 +71,18 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
     something other than the labels that are not -100 (or the samples, without labels).
     """
 
-    def __init__(self, model: nn.Module, args: TrainingArguments | None = None, train_dataset: Dataset | None = None,
-                 eval_dataset: Dataset | None = None, data_collator: Callable | None = None,
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator: Callable | None = None, train_dataset: Dataset | None = None,
+                 eval_dataset: Dataset | None = None, processing_class: Any = None,
+                 model_init: Callable[..., nn.Module] | None = None, compute_loss_func: Callable | None = None,
                  compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+                 callbacks: list[TrainerCallback] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
-                 callbacks: list[TrainerCallback] | None = None, processing_class: Any = None,
-                 compute_loss_func: Callable | None = None, preprocess_logits_for_metrics: Callable | None = None,
-                 optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None):
+                 optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+                 preprocess_logits_for_metrics: Callable | None = None):
+        # Transformers' arguments, in its order (data_collator third); model_init is called once, here, after the seed
         self.args = args = trainer_arguments(args)
+        check_collator(data_collator)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
                                                  stall_seconds=args.ddp_stall_seconds)
@@ -86,7 +92,8 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         self._loss = RunningLoss()
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
-        self.model, self.model_wrapped = prepare_model(model, args, self.world)
+        self.model_init = model_init
+        self.model, self.model_wrapped = prepare_model(model_from(model, model_init), args, self.world)
         self.precision = Precision.for_args(args, self.world.device, self.comm)
         self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
         self.label_smoothing = model_io.smoothing_for(self.model, args.label_smoothing_factor)  # 0: none
@@ -277,75 +284,6 @@ class Trainer(DataMixin, EvaluationMixin, ResultsMixin):
         if self._counts_flos:  # this rank's own batches: a filler batch (weight zero) trains nothing
             self.current_flos += sum(float(self.floating_point_ops(batch)) for batch in window.batches)
         return share, grad_norm
-
-    def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
-        items = self.count_items(batch)  # on the batch as it came (the CPU's): no device sync per micro-step
-        inputs = self._prepare_inputs(batch)
-        global_items = max(global_items, 1.0)
-        with self.precision.autocast():
-            if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
-                # The model (or compute_loss_func) divides its summed loss by the count we pass: already its share.
-                share = self.compute_loss(model, inputs,
-                                          num_items_in_batch=torch.tensor(global_items, device=self.world.device))
-            else:
-                # A mean over this batch's items times their count is their sum; over the global count it is
-                # this batch's share of the step's mean loss, however the items are spread over batches and ranks.
-                share = self.compute_loss(model, inputs) * (items / global_items)
-        share = share * weight  # 0 for the filler batch of a rank that ran out of data
-        # DDP averages gradients over the ranks, but the step's loss is the *sum* of the ranks' shares:
-        # multiplying by the world size first turns that average back into the sum.
-        self.precision.backward(share * self.world.world_size)
-        return share.detach().to(torch.float64)
-
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | None = None):
-        """The model's loss on `inputs`: the mean over the batch's items (see count_items), or, _loss_of_its_own,
-        its own of the outputs of the model called without the labels (num_items_in_batch: the count it divides a
-        sum by, where the model, compute_loss_func or smoothing takes one)."""
-        labels, smoothing = None, self.label_smoothing
-        if self._loss_of_its_own() and isinstance(inputs, Mapping) and "labels" in inputs:
-            inputs = dict(inputs)
-            labels = inputs.pop("labels")
-        if num_items_in_batch is not None and isinstance(inputs, Mapping) and self.model_accepts_loss_kwargs:
-            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        outputs = model_io.call_model(model, inputs)
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif labels is not None:  # label_smoothing_factor
-            loss = model_io.smoothed_loss(outputs, labels, smoothing, model_io.is_causal_lm(self.model),
-                                          num_items_in_batch)
-        else:
-            loss = model_io.loss_of(outputs)
-        return (loss, outputs) if return_outputs else loss
-
-    def _divides_by_count(self) -> bool:
-        """Whether compute_loss's loss is a sum over the num_items_in_batch it is given (the model's, or its own)."""
-        return self.model_accepts_loss_kwargs or self._loss_of_its_own()
-
-    def _loss_of_its_own(self) -> bool:
-        """Whether compute_loss computes the loss itself (compute_loss_func, label smoothing), from the outputs."""
-        return self.compute_loss_func is not None or self.label_smoothing > 0
-
-    def _count_tokens(self, batch: Any) -> int:
-        return model_io.count_tokens(batch, self.model, self.args.include_num_input_tokens_seen,
-                                     getattr(self.processing_class, "pad_token_id", None))
-
-    def count_items(self, batch: Any) -> int:
-        """How many items the batch's mean loss averages: labels other than -100 (shifted for a causal LM, as
-        Transformers counts them; see model_io.count_items), or else samples."""
-        return model_io.count_items(batch, shifted=self._loss_shifts_labels)
-
-    def floating_point_ops(self, inputs: Any) -> int:
-        """The floating-point operations of one forward and backward on `inputs`, Transformers' estimate (see
-        step.floating_point_ops); override it for another (a subclass that does is always counted)."""
-        return step.floating_point_ops(self.model, inputs)
-
-    def store_flos(self) -> None:
-        """Add every rank's operations since the last call to state.total_flos; on every rank alike (one
-        all-reduce, none where nothing is counted), before a checkpoint's trainer_state.json and the final log."""
-        if self._counts_flos:
-            self.state.total_flos += sum_over_ranks(self.comm, [self.current_flos], "total_flos", self.world.device)[0]
-        self.current_flos = 0.0
 
     def _filler(self) -> Any:
         """A batch for a rank that never had one: the first sample of the dataset (weighted zero anyway)."""

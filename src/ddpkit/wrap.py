@@ -10,8 +10,10 @@ state_dict keys never carry torch.compile's `_orig_mod.` prefix, whatever the ca
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -62,6 +64,25 @@ def ddp_of(wrapped: nn.Module) -> DistributedDataParallel | None:
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
+def model_from(model: nn.Module | None, model_init: Callable[..., nn.Module] | None) -> nn.Module:
+    """The model the Trainer trains, by Transformers' rules: model_init's (called with no argument, or with the
+    trial None where it takes one), which replaces a model also given (with a warning); else `model`."""
+    if model_init is None:
+        if model is None:
+            raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
+        return model
+    if model is not None:
+        warnings.warn("`Trainer` got both a `model` and `model_init`: model_init's model replaces it",
+                      UserWarning, stacklevel=3)
+    count = len(inspect.signature(model_init).parameters)
+    if count > 1:
+        raise RuntimeError("model_init should have 0 or 1 argument.")
+    made = model_init(None) if count == 1 else model_init()
+    if made is None:
+        raise RuntimeError("model_init should not return None.")
+    return made
+
+
 def prepare_model(model: nn.Module, args: TrainingArguments, world: DistEnv) -> tuple[nn.Module, nn.Module]:
     """The plain model on this rank's device, and the module training runs (the DDP wrapper in a world of many,
     compiled under torch_compile). A model the caller compiled already trains compiled, as DDP(compile(model))."""
@@ -77,4 +98,4 @@ def prepare_model(model: nn.Module, args: TrainingArguments, world: DistEnv) -> 
     return _plain(model), wrapped
 
 
-__all__ = ["apply_compile", "apply_ddp", "apply_gradient_checkpointing", "ddp_of", "prepare_model"]
+__all__ = ["apply_compile", "apply_ddp", "apply_gradient_checkpointing", "ddp_of", "model_from", "prepare_model"]
