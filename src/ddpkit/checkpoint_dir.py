@@ -166,19 +166,25 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str 
                        run: str | None = None, until: int | None = None) -> list[str]:
     """Delete the oldest checkpoints so that save_total_limit remain, never those in `keep` (they count towards
     the limit, as the best checkpoint does in Transformers: a limit of 2 with the best one old keeps it and the
-    newest); the deleted paths. run: count and delete only that run's (another run's are not this one's to
-    delete: ddpkit.runs). until: neither count nor delete those past that step (a restarted script's first
-    train() call must leave its run's checkpoints that a later call, which continued the run, saved)."""
+    newest); the deleted paths. One that cannot be deleted stays, with a warning (Transformers ignores it). run:
+    count and delete only that run's (another run's are not this one's to delete: ddpkit.runs). until: neither
+    count nor delete those past that step (a restarted script's first train() call must leave its run's
+    checkpoints that a later call, which continued the run, saved)."""
     if save_total_limit is None:
         return []
     kept = {os.path.abspath(k) for k in ((keep,) if isinstance(keep, str) else (keep or ()))}
     found = list_checkpoints(output_dir, run, until=until)
     others = [p for p in found if os.path.abspath(p) not in kept]
     budget = max(0, save_total_limit - (len(found) - len(others)))  # what the limit leaves for the unprotected
-    doomed = others[:max(0, len(others) - budget)]
+    doomed, retired = others[:max(0, len(others) - budget)], []
     for path in doomed:
-        _retire(path)
-    return doomed
+        try:
+            _retire(path)
+            retired.append(path)
+        except OSError as exc:  # the new checkpoint is whole: an old one that stays is no reason to stop the run
+            warnings.warn(f"could not delete the old checkpoint {path} for save_total_limit ({exc}); it stays: "
+                          "delete it by hand", RuntimeWarning, stacklevel=2)
+    return retired
 
 
 def _retire(path: str) -> None:

@@ -5,7 +5,7 @@
     folder = saves.save(state, model=..., optimizer=..., scheduler=..., sampler_state=...)
     saves.load_best(model, state)                        # load_best_model_at_end
     saves.write_final_state(state)                       # output_dir/trainer_state.json, Transformers' fields
-    saves.save_model(model, output_dir, args.to_dict())  # Trainer.save_model's files, from rank 0, on every rank
+    saves.save_model(model, output_dir, args.to_dict())  # Trainer.save_model's files, from rank 0 (no collective)
 
 Rotation (save_total_limit) never deletes the checkpoint this run was told to resume from (`keep`, see
 resume.protected_checkpoints), the best one (best.py), nor another run's (`run`, see ddpkit.runs). The files
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, integrity
 from .best import BestModel
 from .comm import Comm, decided_by_main
 from .env import DistEnv
@@ -32,17 +32,24 @@ class Saves:
         self.comm, self.world, self.best = comm, world, best
         self.keep: tuple[str, ...] = ()  # set by the Trainer once it knows what it resumes from
         self.run: str | None = None  # the training run's id (ddpkit.runs): in every marker, and what rotation retires
+        self._written: set[tuple[str | None, int]] = set()  # (run, step) of the checkpoints save() wrote
 
     def folder(self, step: int) -> str:
         return os.path.join(self.output_dir, f"{checkpoint.PREFIX}-{step}")
 
     def exists(self, step: int) -> bool:
-        """Whether this run wrote checkpoint-<step>, as rank 0 sees it: every rank must take the same decision,
-        also on nodes that do not share a file system (saving is a collective). Another run's checkpoint of that
-        step is none of this run's: a save then renames it aside (checkpoint.py). This run's own, renamed aside by
-        another's save, counts (a restarted script's first train() call resumed from it)."""
-        here = self._ours(self.own(self.folder(step))) if self.world.is_main else None
+        """Whether this run has a whole checkpoint-<step>, as rank 0 sees it: every rank must take the same
+        decision, also on nodes that do not share a file system (saving is a collective). Another run's checkpoint
+        of that step is none of this run's: a save then renames it aside (checkpoint.py). This run's own, renamed
+        aside by another's save, counts (a restarted script's first train() call resumed from it), once its files
+        pass their checks: a corrupt one (which a resume skipped, training that step again) is saved anew."""
+        if (self.run, step) in self._written:  # written by save() in this process: whole, no need to read it
+            return True
+        here = self._whole_and_ours(self.own(self.folder(step))) if self.world.is_main else None
         return bool(decided_by_main(self.comm, here, f"checkpoint-{step} exists?"))
+
+    def _whole_and_ours(self, folder: str) -> bool:
+        return self._ours(folder) and not integrity.problems(folder)
 
     def _ours(self, folder: str) -> bool:
         return os.path.isdir(folder) and (self.run is None or checkpoint.checkpoint_run(folder) == self.run)
@@ -70,27 +77,20 @@ class Saves:
         if self.best is not None:
             self.best.note_save(state, self.folder(step), step)
         theirs, ours = state.split(self.per_device_train_batch_size)
-        return checkpoint.save_checkpoint(
+        folder = checkpoint.save_checkpoint(
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state=theirs,
             ddpkit_state=ours, sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
             run=self.run, rng=rng, processor=self.processor)
+        self._written.add((self.run, step))
+        return folder
 
     def save_model(self, model: Any, output_dir: str, training_args: dict) -> None:
-        """Trainer.save_model: rank 0 writes (save_model below); call it on every rank. A failure there raises on
-        every rank, as a checkpoint's does, instead of leaving the others waiting for rank 0 until the timeout."""
-        failure = None
+        """Trainer.save_model: rank 0 writes (save_model below), the other ranks do nothing. No collective, as in
+        Transformers' Trainer under DDP: scripts call it on every rank or under `if trainer.is_world_process_zero()`.
+        Rank 0's failure raises there, and its exit takes the job down (ddpkit launch, torchrun)."""
         if self.world.is_main:
-            try:
-                save_model(model, output_dir, training_args, self.processor)
-            except Exception as exc:  # noqa: BLE001 - told to every rank first, then raised here as it came
-                failure = exc
-        told = decided_by_main(self.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               f"save_model {output_dir}")
-        if failure is not None:
-            raise failure
-        if told is not None:
-            raise RuntimeError(f"rank 0 could not save the model into {output_dir}: {told}")
+            save_model(model, output_dir, training_args, self.processor)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""

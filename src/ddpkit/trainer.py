@@ -313,7 +313,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The model (a Transformers model's save_pretrained files, else model.safetensors), processing_class (a
-        tokenizer's files) and training_args.json into output_dir, from rank 0 (saves.save_model); every rank calls."""
+        tokenizer's files) and training_args.json into output_dir, from rank 0 (saves.save_model); not a collective:
+        call it on every rank or on rank 0 alone, as with Transformers' Trainer."""
         self.saves.save_model(self.model, output_dir or self.args.output_dir, self.args.to_dict())
 
     # -- logging -----------------------------------------------------------------------------------------------------

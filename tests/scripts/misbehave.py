@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
     print(f"ENTER {rank} {time.time():.3f}", flush=True)
     if script.mode == "eval_on_rank0" and rank == 0:
         trainer.evaluate()  # the bug: a collective on rank 0 only
-    trainer.save_model()
+    trainer.predict(data)  # what every rank calls next: rank 1 comes here while rank 0 evaluates
     print(f"FINISHED {rank}", flush=True)
     ddpkit.destroy_process_group()
 
