@@ -227,7 +227,8 @@ def test_args_module_imports_only_the_rank_question_of_env():
     # process facts a script reads off the arguments), and to show a command-line error once, not once per rank.
     local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
              and line.lstrip().startswith(("import", "from"))]
-    assert local == ["from .args_foreign import ForeignDropping, explain, foreign_flag, without_foreign",
+    assert local == ["from .args_foreign import ForeignDefaults, ForeignDropping, explain, foreign_flag, "
+                     "without_foreign",
                      "from .args_process import ProcessMixin",
                      "from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
                      "validate",

@@ -26,7 +26,7 @@ def test_the_table_names_transformers_fields_that_ddpkit_has_not_with_their_defa
 def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), do_train=True, run_name="r", local_rank=0,
                              push_to_hub=False, log_level="passive", average_tokens_across_devices=True)
-    assert (args.do_train, args.run_name) == (True, "r") and not hasattr(args, "log_level")
+    assert (args.do_train, args.run_name) == (True, "r") and "log_level" not in dataclasses.asdict(args)
     for kwargs, hint in ((dict(fsdp="full_shard"), "ddp_zero_stage=1 or 2"),
                          (dict(neftune_noise_alpha=5.0), "does not implement it"),
                          (dict(average_tokens_across_devices=False), "items of every rank's batches"),
@@ -39,6 +39,24 @@ def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_ref
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         TrainingArguments(output_dir=str(tmp_path), bogus=1)
     assert dataclasses.replace(args, seed=3).seed == 3
+
+
+def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_another(tmp_path):
+    """Transformers' run_ner.py reads training_args.eval_do_concat_batches in its compute_metrics: an
+    AttributeError here, once the field was dropped. Every foreign field reads as its default (a fresh copy)."""
+    args = TrainingArguments(output_dir=str(tmp_path))
+    for name, (default, _) in FOREIGN.items():
+        assert getattr(args, name) == default, name
+    assert args.eval_do_concat_batches is True and args.deepspeed is None and args.log_level == "passive"
+    args.include_for_metrics.append("inputs")
+    assert args.include_for_metrics == []
+    args.prediction_loss_only = False  # the default: nothing to refuse, nothing kept
+    assert "prediction_loss_only" not in vars(args)
+    with pytest.raises(ForeignArgument, match="eval_do_concat_batches=False"):
+        args.eval_do_concat_batches = False
+    assert args.eval_do_concat_batches is True
+    with pytest.raises(AttributeError, match="no attribute 'bogus'"):
+        args.bogus  # noqa: B018 - a name that is no field of either stays an AttributeError
 
 
 def test_on_the_command_line_and_in_a_dict(tmp_path, capsys):

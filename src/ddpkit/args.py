@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 
-from .args_foreign import ForeignDropping, explain, foreign_flag, without_foreign
+from .args_foreign import ForeignDefaults, ForeignDropping, explain, foreign_flag, without_foreign
 from .args_process import ProcessMixin
 from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
@@ -36,7 +36,7 @@ def _field(default: Any, help: str, **metadata: Any) -> Any:
 
 
 @dataclasses.dataclass
-class TrainingArguments(ProcessMixin, metaclass=ForeignDropping):
+class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping):
     """Hyper-parameters of one run. Sizes are per process ("per device") unless the help says global."""
 
     output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")

@@ -7,6 +7,7 @@ ddpkit.validation (ArgumentError).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .validation import ArgumentError
@@ -79,6 +80,23 @@ class ForeignDropping(type):
         return super().__call__(*args, **without_foreign(kwargs))
 
 
+class ForeignDefaults:
+    """The Transformers-only fields as attributes of TrainingArguments, at Transformers' default, the only value
+    ddpkit takes (Transformers' run_ner.py reads eval_do_concat_batches off its arguments); a copy where it is a
+    list or dict. Setting one to another value raises ForeignArgument; to the default, nothing changes."""
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are no field, property nor method
+        if name in FOREIGN:
+            return copy.deepcopy(FOREIGN[name][0])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FOREIGN:
+            without_foreign({name: value})  # ForeignArgument unless it is the default: then dropped, as at __init__
+            return
+        super().__setattr__(name, value)
+
+
 class ForeignArgument(ArgumentError, TypeError):
     """A Transformers-only training argument set to something other than Transformers' default: an ArgumentError
     naming the field, and a TypeError as the unknown keyword it is to the dataclass."""
@@ -111,5 +129,5 @@ def foreign_flag(tokens: list[str]) -> str | None:
     return None
 
 
-__all__ = ["FOREIGN", "NORMALISED", "ForeignArgument", "ForeignDropping", "explain", "foreign_flag",
+__all__ = ["FOREIGN", "NORMALISED", "ForeignArgument", "ForeignDefaults", "ForeignDropping", "explain", "foreign_flag",
            "without_foreign"]
