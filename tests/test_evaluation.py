@@ -212,6 +212,9 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world
     assert sorted(trainer.evaluate({"c": sets["b"]}, metric_key_prefix="x")) == [
         "epoch", "x_c_loss", "x_c_runtime", "x_c_samples_per_second", "x_c_steps_per_second"]
     assert trainer.predict(sets["a"], ignore_keys=["hidden"]).predictions.shape == (4, 3)
+    assert trainer.evaluate("b")["eval_loss"] == metrics["eval_b_loss"]  # a set by its name, under the prefix given
+    with pytest.raises(KeyError, match=r"it has \['a', 'b'\]"):
+        trainer.evaluate("c")
 
 
 def test_label_names_are_the_labels_of_predict_and_compute_metrics_as_in_transformers(tmp_path, local_world):

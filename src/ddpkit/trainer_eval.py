@@ -30,8 +30,11 @@ class EvaluationMixin:
         """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank. Batches
         without labels give neither, only the speed metrics, as Transformers'. A dict of datasets is evaluated one
         set at a time, each with the prefix f"{metric_key_prefix}_{name}" and its own log and on_evaluate; the
-        merged metrics come back. ignore_keys: as predict's."""
+        merged metrics come back. A name is that set of the eval_dataset dict, under the prefix given (Transformers').
+        ignore_keys: as predict's."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self._eval_set_named(dataset)
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
             for name, part in dataset.items():
@@ -126,6 +129,13 @@ class EvaluationMixin:
         default (CLIP returns its contrastive loss so)."""
         asked = inputs.get("return_loss") if isinstance(inputs, Mapping) else None
         return not self.label_names and bool(self.can_return_loss if asked is None else asked)
+
+    def _eval_set_named(self, name: str) -> Dataset:
+        sets = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+        if name not in sets:
+            raise KeyError(f"evaluate(eval_dataset={name!r}) names a set of the Trainer's eval_dataset dict; it has "
+                           f"{sorted(sets) or 'none (it is not a dict)'}")
+        return sets[name]
 
     # -- what a training run schedules ----------------------------------------------------------------------------
     def _evaluation_sets(self) -> list[str]:
