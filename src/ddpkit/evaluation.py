@@ -2,7 +2,7 @@
 compute_metrics gathered back into dataset order.
 
     indices = shard(len(dataset), world.rank, world.world_size, batch_size)
-    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, outputs, labels, samples)
+    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, logits, labels, samples)
     metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)   # no eval_loss without labels
 
 Which keys of a batch are its labels is Transformers' rule: `label_names`, by default the model's forward
@@ -97,7 +97,7 @@ class Part:
     labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
 
 
-ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, outputs, labels_named's labels, samples)
+ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, logits, labels, samples): prediction_step's and more
 Forward = Callable[[Any], ForwardResult]
 
 
@@ -108,26 +108,29 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
     preprocess_logits_for_metrics) and labels (None: none) if wanted."""
     part = Part()
     for batch in batches:
-        loss, outputs, labels, samples = forward(batch)
+        loss, logits, labels, samples = forward(batch)
         if loss is not None:
-            value = loss.double().item()
+            value = loss.detach().double().mean().item()  # a prediction_step's loss may be per sample
             if math.isfinite(value):
                 part.loss_sum, part.samples = part.loss_sum + value * samples, part.samples + samples
             else:
                 part.bad_sum, part.bad_samples = part.bad_sum + value * samples, part.bad_samples + samples
         if want_predictions:
-            logits = model_io.logits_of(outputs, with_loss=loss is not None)
             if preprocess is not None:
-                logits = preprocess(logits, labels)
-                if not isinstance(logits, torch.Tensor):
-                    raise TypeError(f"preprocess_logits_for_metrics returned {type(logits).__name__}; ddpkit "
-                                    "gathers one tensor a batch: return a tensor (logits.argmax(-1), say)")
-            logits = logits.detach()
+                logits = _one_tensor(preprocess(logits, labels), "preprocess_logits_for_metrics")
+            logits = _one_tensor(logits, "prediction_step").detach()
             # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
             part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
             if labels is not None:
                 part.labels.append(_numpy(labels))
     return part
+
+
+def _one_tensor(logits: Any, maker: str) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{maker} returned {type(logits).__name__} for the logits; ddpkit gathers one tensor a batch: "
+                        "return a tensor (logits.argmax(-1), say)")
+    return logits
 
 
 def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,

@@ -10,12 +10,12 @@ label_names, the eval dataset and loader, its callbacks, saves and its log.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from . import evaluation, model_io
@@ -25,6 +25,8 @@ from .timeline import CHECKPOINT, EVALUATION
 
 
 class EvaluationMixin:
+    _unnamed_labels = True  # how prediction_step takes a list batch: evaluate's way (predict sets False)
+
     def evaluate(self, eval_dataset: Dataset | Mapping[str, Dataset] | None = None,
                  ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (and compute_metrics) over every evaluation sample exactly once; call it on every rank. Batches
@@ -41,8 +43,8 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         _check_ignore_keys(ignore_keys)
-        part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", self._evaluation_forward,
-                                            self.compute_metrics is not None)
+        part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", ignore_keys,
+                                            want_predictions=self.compute_metrics is not None)
         metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
                                         self.world.device)
         self._add_speed(metrics, metric_key_prefix, start, len(dataset))
@@ -56,17 +58,25 @@ class EvaluationMixin:
         every rank, with the labels and the loss where the batches have labels; call it on every rank. The
         predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
         _check_ignore_keys(ignore_keys)
-        part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset",
-                                            functools.partial(self._evaluation_forward, unnamed_labels=False), True)
+        part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset", ignore_keys,
+                                            want_predictions=True, unnamed_labels=False)
         prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
                                                                 self.compute_metrics, self.world.device)
         self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
         self._fire("on_predict", metrics=metrics)
         return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
 
-    def _pass_over(self, dataset: Dataset | None, need: str, forward: evaluation.Forward,
-                   want_predictions: bool) -> tuple[evaluation.Part, list[int], float]:
-        """Every sample once over the ranks, the model in eval mode: this rank's part, its samples, the start."""
+    def _pass_over(self, dataset: Dataset | None, need: str, ignore_keys: list[str] | None, want_predictions: bool,
+                   unnamed_labels: bool = True) -> tuple[evaluation.Part, list[int], float]:
+        """Every sample once over the ranks, the model in eval mode: this rank's part, its samples, the start.
+        Each batch goes through prediction_step, as in Transformers' evaluation loop."""
+        def forward(batch: Any) -> evaluation.ForwardResult:
+            inputs = self._prepare_inputs(batch)
+            loss, logits, labels = self.prediction_step(self.model, inputs, not want_predictions, ignore_keys)
+            self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
+            return loss, logits, labels, model_io.batch_len(inputs)
+
+        self._unnamed_labels = unnamed_labels
         if dataset is None or len(dataset) == 0:
             raise ValueError(f"Trainer.{need} with at least one sample")
         start = time.perf_counter()
@@ -83,30 +93,34 @@ class EvaluationMixin:
         evaluation.add_speed(metrics, prefix, time.perf_counter() - start, samples,
                              self.args.per_device_eval_batch_size * self.world.world_size)
 
-    def _evaluation_forward(self, batch: Any, unnamed_labels: bool = True) -> evaluation.ForwardResult:
-        """One batch's (loss, outputs, labels, samples), as Transformers 5's prediction_step: the labels are the
-        batch's label_names (all of them, or none); a batch that has them (or whose model returns its loss without
-        them: CLIP's) goes through compute_loss, a mapping without them only through the model, with no loss, so
-        that a set without labels has no eval_loss, as there. Where no name can tell whether there are labels:
-        with label_names empty, the loss the model returned beside its predictions (a "loss" field, never a bare
-        tensor, which is the predictions); a list or tuple batch holds them by position, and goes through
-        compute_loss in evaluate (unnamed_labels), whose loss must be there, as in training (a model that forgot to
-        return it fails, rather than evaluating without a loss), in predict only through the model."""
-        inputs = self._prepare_inputs(batch)
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
+        """Transformers': one batch's (loss, logits, labels), `inputs` on the device; the logits (and labels) None
+        with prediction_loss_only (evaluate without compute_metrics). evaluate and predict call it on every batch:
+        a subclass may predict otherwise (its logits one tensor a batch, which ddpkit gathers). As Transformers 5's,
+        the labels are the batch's label_names (all of them, or none); a batch that has them (or whose model
+        returns its loss without them: CLIP's) goes through compute_loss, a mapping without them only through the
+        model, with no loss, so that a set without labels has no eval_loss. Where no name can tell whether there
+        are labels: with label_names empty, the loss the model returned beside its predictions (a "loss" field,
+        never a bare tensor, which is the predictions); a list or tuple batch holds them by position, and goes
+        through compute_loss in evaluate, whose loss must be there, as in training (a model that forgot to return
+        it fails, rather than evaluating without a loss), in predict only through the model. The logits are the
+        output's "logits" (model_io.logits_of), so the other keys (ignore_keys') never enter them."""
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
         with torch.no_grad(), self.precision.autocast():
-            if labels is not None or self._loss_without_labels(inputs) or (unnamed_labels and not mapping):
-                loss, outputs = self._loss_and_outputs(batch, inputs)
+            if labels is not None or self._loss_without_labels(inputs) or (self._unnamed_labels and not mapping):
+                loss, outputs = self._loss_and_outputs(model, inputs)
             else:
-                outputs = model_io.call_model(self.model, inputs)
+                outputs = model_io.call_model(model, inputs)
                 loss = model_io.carried_loss(outputs)
                 if loss is not None and mapping and self.label_names:  # no labels, no loss; the logits stay found
                     loss, outputs = None, tuple(outputs[1:]) if isinstance(outputs, (list, tuple)) else outputs
-        self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-        return loss, outputs, labels, model_io.batch_len(inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, model_io.logits_of(outputs, with_loss=loss is not None), labels
 
-    def _loss_and_outputs(self, batch: Any, inputs: Any) -> tuple[torch.Tensor, Any]:
+    def _loss_and_outputs(self, model: nn.Module, inputs: Any) -> tuple[torch.Tensor, Any]:
         """compute_loss's (loss, outputs). As Transformers 5's prediction_step, a model that takes
         num_items_in_batch gets this batch's own count of "labels" other than -100 (shifted where its loss shifts
         them), so its loss is its summed loss over that count: for a GPT2LMHeadModel (loss_type None, which counts
@@ -114,11 +128,10 @@ class EvaluationMixin:
         training's logged loss."""
         count = None
         if self._divides_by_count() and model_io.labels_of(inputs) is not None:
-            # counted on the batch as it came (the CPU's), as training counts it: no device sync per batch
-            count = torch.tensor(float(self.count_items(batch)), device=self.world.device)
+            count = torch.tensor(float(self.count_items(inputs)), device=self.world.device)
         # (only when there is one: a compute_loss override without the argument, as training calls it)
         counted = {} if count is None else {"num_items_in_batch": count}
-        loss, outputs = self.compute_loss(self.model, inputs, return_outputs=True, **counted)
+        loss, outputs = self.compute_loss(model, inputs, return_outputs=True, **counted)
         popped = self._loss_of_its_own() and isinstance(inputs, Mapping) and "labels" in inputs  # as compute_loss
         if popped and isinstance(outputs, (list, tuple)):
             outputs = (loss, *outputs)  # the model got no labels: its tuple holds no loss before the logits

@@ -1,0 +1,61 @@
+"""ddpkit.trainer_eval: evaluate and predict run every batch through prediction_step, Transformers' seam for a
+subclass that predicts otherwise (ddpkit had none, and an override was silently never called). Here one appends
+the labels to the logits: Transformers' Trainer and ddpkit's give the same predictions, and on 2 ranks every
+sample's row comes back once, in dataset order."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conftest import Classifier, classification_data, run_world, trainer_args
+
+import ddpkit
+from ddpkit.trainer import Trainer
+
+
+class LabelsInLogits:
+    """prediction_step's override, for either Trainer: the logits gain a column, each sample's label."""
+
+    calls = 0
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        type(self).calls += 1
+        if logits is not None:
+            logits = torch.cat([logits, inputs["labels"][:, None].to(logits.dtype)], dim=-1)
+        return loss, logits, labels
+
+
+class Mine(LabelsInLogits, Trainer):
+    pass
+
+
+def predict_world(world, out):
+    torch.manual_seed(0)
+    trainer = Mine(Classifier().double(), trainer_args(out, per_device_eval_batch_size=2))
+    found = trainer.predict(classification_data(9))
+    return found.predictions, found.label_ids, found.metrics["test_loss"], Mine.calls
+
+
+def test_an_overridden_prediction_step_makes_the_predictions_as_in_transformers(tmp_path, local_world):
+    import transformers
+
+    class Theirs(LabelsInLogits, transformers.Trainer):
+        pass
+
+    data = classification_data(9)
+    torch.manual_seed(0)
+    hf_args = transformers.TrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2, use_cpu=True,
+                                             report_to="none")
+    theirs = Theirs(model=Classifier().double(), args=hf_args).predict(data)
+    predictions, label_ids, loss, calls = predict_world(None, str(tmp_path / "one"))
+    assert calls == 5 and predictions.shape == (9, 4)  # 5 batches of at most 2
+    np.testing.assert_allclose(predictions, theirs.predictions, rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(predictions[:, -1], label_ids)
+    assert abs(loss - theirs.metrics["test_loss"]) < 1e-6  # Transformers averages in float32
+    ddpkit.destroy_process_group()  # the world of one above: the forked ranks must not inherit it
+    for rank in run_world(predict_world, 2, args=(str(tmp_path / "two"),), deadline_s=60):
+        np.testing.assert_array_equal(rank[0], predictions)
+        np.testing.assert_array_equal(rank[1], label_ids)
+        assert rank[2] == loss
