@@ -215,7 +215,7 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     local = (indices, _concat(part.predictions) if part.predictions else None,
              _joined(part.labels) if part.labels else None)
     shards = gather_objects(comm, local, "evaluation predictions")
-    _check_labels(shards)
+    _check_shards(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     preds = _joined([s[1] for s in shards if s[1] is not None], order)
     # Whether there are labels is every rank's question alike: a rank without samples has none of its own.
@@ -223,9 +223,15 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     return EvalPrediction(preds, _joined(labels, order) if labels else None)
 
 
-def _check_labels(shards: list[tuple]) -> None:
-    """Labels for every prediction or for none (each rank sees every shard, so all raise alike, no hang)."""
+def _check_shards(shards: list[tuple]) -> None:
+    """A prediction for every sample dealt to a rank, and labels for every prediction or for none (each rank sees
+    every shard, so all raise alike, no hang)."""
     counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
+    for rank, ((indices, _, _), (predictions, _)) in enumerate(zip(shards, counts)):
+        if predictions != len(indices):
+            raise ValueError(f"rank {rank} predicted {predictions} samples where ddpkit dealt it {len(indices)}: an "
+                             "overridden get_eval_dataloader or get_test_dataloader must keep super()'s sampler "
+                             "(every sample once over the ranks)")
     if any(labels for _, labels in counts) and any(labels != predictions for predictions, labels in counts):
         raise ValueError("some batches of the dataset have labels and some do not: give every sample its labels "
                          "(for a loss and compute_metrics) or none (predictions only)")

@@ -75,7 +75,7 @@ class TrainingLoop:
         # A checkpoint taken after the epoch's last step resumes to an empty rest of it: every real sample
         # (consumed >= N) was handed out. The ranks still meet in next_window, as in the uninterrupted run.
         finished = resumed is not None and consumed >= len(t.train_dataset)
-        loader = None if finished else t.get_train_dataloader(sampler, epoch)
+        loader = None if finished else t.get_train_dataloader()  # for the sampler's epoch, set above
         batches = iter(()) if loader is None else iter(loader)
         # dataloader_drop_last ends the epoch's data short of its last samples: the step that takes the fullest
         # rank's last batch marks the epoch's end in `consumed`, so that its checkpoint resumes to an empty rest on

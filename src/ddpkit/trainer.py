@@ -220,8 +220,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm, key=self._call_key())
         resume_path, self.saves.run = choice.path, choice.run
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
-        sampler = self.get_train_sampler()
-        self._plan(self.get_train_dataloader(sampler), resume_path)
+        self._train_sampler = sampler = self.get_train_sampler()
+        self._plan(self.get_train_dataloader(), resume_path)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         sampler_state = self._resume(resume_path) if resume_path else None

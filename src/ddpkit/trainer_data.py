@@ -11,13 +11,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from . import evaluation
 from .collator import without_unused_columns
 from .loader_workers import SparedLoader
 from .sampler import DistributedSampler
 
 
 class DataMixin:
-    """The Trainer's (it has `args`, `world`, `model`, `train_dataset` and `data_collator`)."""
+    """The Trainer's (it has `args`, `world`, `model`, `train_dataset`, `eval_dataset` and `data_collator`), with
+    Transformers' loader methods, which a subclass may override (keeping the samplers: see each)."""
 
     args: Any
     world: Any
@@ -25,20 +27,39 @@ class DataMixin:
     train_dataset: Any
     data_collator: Callable
 
+    _train_sampler: Any = None  # train()'s, which the loop sets to each epoch and checkpoints save
+
     def get_train_sampler(self) -> DistributedSampler:
         return DistributedSampler(self.train_dataset, num_replicas=self.world.world_size, rank=self.world.rank,
                                   shuffle=True, seed=data_seed(self.args), drop_last=False)
 
-    def get_train_dataloader(self, sampler, epoch: int = 0) -> DataLoader:
+    def get_train_dataloader(self) -> DataLoader:
+        """Transformers': this rank's batches of the training set, for the train sampler's current epoch."""
+        sampler = self._train_sampler if self._train_sampler is not None else self.get_train_sampler()
+        epoch = getattr(sampler, "epoch", 0)
         # Its own generator, seeded per epoch: creating an iterator must not draw from the global RNG, or a run
         # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
         generator = torch.Generator().manual_seed(data_seed(self.args) + epoch)
         return self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
                             drop_last=self.args.dataloader_drop_last, pin_memory=self.world.device.type == "cuda")
 
-    def get_eval_dataloader(self, dataset: Dataset, indices: list[int]) -> DataLoader:
+    def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
+        """Transformers': this rank's share of an evaluation set (eval_dataset, a set of it by name, or `ds`),
+        whole batches dealt out over the ranks (evaluation.shard); an override must keep this sampler."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset)
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        """Transformers': predict's, as get_eval_dataloader's."""
+        return self._eval_loader(test_dataset)
+
+    def _eval_indices(self, dataset: Dataset) -> list[int]:
+        return evaluation.shard(len(dataset), self.world.rank, self.world.world_size,
+                                self.args.per_device_eval_batch_size)
+
+    def _eval_loader(self, dataset: Dataset) -> DataLoader:
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        return self._loader(dataset, self.args.per_device_eval_batch_size, indices,
+        return self._loader(dataset, self.args.per_device_eval_batch_size, self._eval_indices(dataset),
                             torch.Generator().manual_seed(data_seed(self.args)))
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:

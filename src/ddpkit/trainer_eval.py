@@ -82,10 +82,10 @@ class EvaluationMixin:
         start = time.perf_counter()
         # Whole batches of one process's evaluation, dealt out over the ranks: each batch's loss is the one a single
         # process computes, so eval_loss is the same on any world size (evaluation.shard).
-        batch = self.args.per_device_eval_batch_size
-        mine = evaluation.shard(len(dataset), self.world.rank, self.world.world_size, batch)
+        mine = self._eval_indices(dataset)
+        loader = self.get_eval_dataloader(dataset) if unnamed_labels else self.get_test_dataloader(dataset)
         with evaluation.eval_mode(self.model):
-            part = evaluation.accumulate(self.get_eval_dataloader(dataset, mine), forward, want_predictions,
+            part = evaluation.accumulate(loader, forward, want_predictions,
                                          self.preprocess_logits_for_metrics)
         return part, mine, start
 
