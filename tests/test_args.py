@@ -230,8 +230,8 @@ def test_args_module_imports_only_the_rank_question_of_env():
     assert local == ["from .args_foreign import ForeignDefaults, ForeignDropping, explain, foreign_flag, "
                      "without_foreign",
                      "from .args_process import ProcessMixin",
-                     "from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, "
-                     "validate",
+                     "from .validation import DDP_BACKENDS, REPORTERS, SAVE_STRATEGIES, SCHEDULERS, STRATEGIES, "
+                     "ArgumentError, validate",
                      "from .env import report_startup_error  # the one module that knows the launcher (rank, "
                      "error file)"], local
     import ddpkit.validation as checks

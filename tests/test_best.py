@@ -12,7 +12,7 @@ import torch
 
 from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
-from ddpkit.args import TrainingArguments
+from ddpkit.args import ArgumentError, TrainingArguments
 from ddpkit.best import BestModel
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.state import TrainerState
@@ -126,3 +126,30 @@ def test_the_final_log_comes_before_the_best_model_is_loaded(tmp_path, local_wor
     assert all((a == b).all() for a, b in zip(seen.at_log, params_of(last)))  # the last step's
     for weights in (seen.at_end, params_of(trainer.model)):
         assert all((a == b).all() for a, b in zip(weights, params_of(best)))
+
+
+def test_save_strategy_best_saves_where_transformers_does(tmp_path, local_world):
+    """save_strategy="best": a checkpoint after each evaluation that beats the best so far, no other (none at the
+    end either); the same folders and best checkpoint as Transformers' Trainer, on a scripted metric. Without an
+    evaluation or a metric to rank by it is refused when the arguments are made."""
+    import transformers
+
+    # steps 2, 4, ..., 10 (and 11: ddpkit evaluates the last step too), ours then theirs: new bests at 2, 6, 10
+    scores = iter([0.5, 0.4, 0.7, 0.6, 0.8, 0.1] * 2)
+    common = dict(per_device_train_batch_size=2, max_steps=11, eval_strategy="steps", eval_steps=2,
+                  save_strategy="best", metric_for_best_model="score", report_to="none")
+    found = {}
+    for name, make in (("ours", lambda out: trainer_args(out, **common)),
+                       ("theirs", lambda out: transformers.TrainingArguments(out, use_cpu=True, **common))):
+        out = tmp_path / name
+        kind = Trainer if name == "ours" else transformers.Trainer
+        trainer = kind(model=Classifier().double(), args=make(str(out)), train_dataset=classification_data(24),
+                       eval_dataset=classification_data(4, seed=1), compute_metrics=lambda _: {"score": next(scores)})
+        trainer.train()
+        found[name] = (sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")),
+                       os.path.basename(trainer.state.best_model_checkpoint), trainer.state.best_metric)
+    assert found["ours"] == found["theirs"] == (["checkpoint-10", "checkpoint-2", "checkpoint-6"], "checkpoint-10", 0.8)
+    with pytest.raises(ArgumentError, match="save_strategy: best needs metric_for_best_model"):
+        TrainingArguments(output_dir=str(tmp_path), save_strategy="best", eval_strategy="epoch")
+    with pytest.raises(ArgumentError, match="set eval_strategy"):
+        TrainingArguments(output_dir=str(tmp_path), save_strategy="best", metric_for_best_model="loss")

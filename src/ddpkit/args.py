@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from .args_foreign import ForeignDefaults, ForeignDropping, explain, foreign_flag, without_foreign
 from .args_process import ProcessMixin
-from .validation import DDP_BACKENDS, REPORTERS, SCHEDULERS, STRATEGIES, ArgumentError, validate
+from .validation import DDP_BACKENDS, REPORTERS, SAVE_STRATEGIES, SCHEDULERS, STRATEGIES, ArgumentError, validate
 
 
 
@@ -66,13 +66,15 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     logging_first_step: bool = _field(False, "Also log the loss of the first optimizer step.")
     eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
     eval_steps: float | None = _field(None, "Evaluate every N optimizer steps; defaults to logging_steps.")
-    save_strategy: str = _field("steps", "When to checkpoint: no, steps (every save_steps) or epoch.",
-                                choices=STRATEGIES)
+    save_strategy: str = _field("steps", "When to checkpoint: no, steps (every save_steps), epoch, or best (after "
+                                         "an evaluation that beats the best metric_for_best_model so far).",
+                                choices=SAVE_STRATEGIES)
     save_steps: float = _field(500, "Checkpoint every N optimizer steps (a float < 1: a fraction of the total).")
     save_total_limit: int | None = _field(None, "Keep at most this many checkpoints, deleting the oldest.")
     load_best_model_at_end: bool = _field(False, "Keep the checkpoint with the best metric_for_best_model (never "
                                                  "rotated away) and load its weights when training ends; needs "
-                                                 "eval_strategy = save_strategy and saves on evaluated steps.")
+                                                 "eval_strategy = save_strategy (or save_strategy best) and "
+                                                 "saves on evaluated steps.")
     metric_for_best_model: str | None = _field(None, "The evaluation metric that ranks checkpoints (eval_ may be "
                                                      "left out); default: loss when load_best_model_at_end.")
     greater_is_better: bool | None = _field(None, "Whether a larger metric_for_best_model is better; default: "

@@ -169,12 +169,13 @@ def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_ste
         evaluated: bool = False) -> tuple[bool, bool]:
     """(evaluate, save) at `moment`: "step" (after an optimizer step), "epoch" (after an epoch) or "final" (after
     the last step, when the run would otherwise end unevaluated or unsaved; `evaluated`: this step already was).
-    At "final" a save is due only if no checkpoint of `step` exists yet, which the caller checks on rank 0."""
+    At "final" a save is due only if no checkpoint of `step` exists yet, which the caller checks on rank 0. Under
+    save_strategy best none is ever due here: the caller saves after an evaluation that gave a new best."""
     if moment == "step":
         return (eval_strategy == "steps" and step % eval_steps == 0,
                 save_strategy == "steps" and step % save_steps == 0)
     if moment == "final":
-        return eval_strategy != "no" and not evaluated, save_strategy != "no"
+        return eval_strategy != "no" and not evaluated, save_strategy in ("steps", "epoch")
     return eval_strategy == "epoch", save_strategy == "epoch"
 
 

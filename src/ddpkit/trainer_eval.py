@@ -173,7 +173,8 @@ class EvaluationMixin:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
             if self.best is not None:
                 _check_best_metric(self.best.key, metrics, self.label_names, self._evaluation_sets())
-                self.best.note_evaluation(self.state, metrics)
+                new_best = self.best.note_evaluation(self.state, metrics)
+                save = save or (new_best and self.args.save_strategy == "best")  # every rank's metrics alike
             # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
             self._agreement.settle(self.control, f"after the evaluation of step {step}")
         save = save or self.control.should_save

@@ -20,6 +20,7 @@ SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {"linear": (), "cosine": ("num_cy
                                                 "constant_with_warmup": (), "inverse_sqrt": ("timescale",)}
 SCHEDULERS = tuple(SCHEDULER_KWARGS)
 STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = (*STRATEGIES, "best")  # best: at an evaluation that beats the best metric so far
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl", "ucc")
 REPORTERS = ("tensorboard",)  # integrations ddpkit speaks; "all" means these, "none" none
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")  # Transformers' names (ddpkit.optim)
@@ -93,8 +94,9 @@ def validate(args: Any) -> None:
          "must be > 0 when max_steps is not set")
     need(args.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"must be one of {', '.join(SCHEDULERS)}")
     need(0 <= args.warmup_ratio <= 1, "warmup_ratio", "must be in [0, 1]")
-    for name in ("eval_strategy", "save_strategy", "logging_strategy"):
-        need(getattr(args, name) in STRATEGIES, name, f"must be one of {', '.join(STRATEGIES)}")
+    for name, allowed in (("eval_strategy", STRATEGIES), ("save_strategy", SAVE_STRATEGIES),
+                          ("logging_strategy", STRATEGIES)):
+        need(getattr(args, name) in allowed, name, f"must be one of {', '.join(allowed)}")
     for name in ("logging_steps", "eval_steps", "save_steps"):
         value = getattr(args, name)
         need(0 < value < math.inf, name, "must be > 0 and finite (a float < 1 is a fraction of the total steps)")
@@ -153,7 +155,14 @@ def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]
 
 
 def _validate_best_model(args: Any, need: Callable[[bool, str, str], None]) -> None:
-    """load_best_model_at_end ranks the checkpoints by an evaluation made at the step each was saved."""
+    """load_best_model_at_end ranks the checkpoints by an evaluation made at the step each was saved;
+    save_strategy best saves at the evaluations that beat the best metric_for_best_model so far."""
+    if args.save_strategy == "best":
+        need(args.eval_strategy != "no", "save_strategy", "best saves after an evaluation that beats the best so "
+             "far: set eval_strategy to steps or epoch (and pass an eval_dataset)")
+        need(args.metric_for_best_model is not None, "save_strategy", "best needs metric_for_best_model (the "
+             "metric that decides what is best), as in Transformers")
+        return
     if not args.load_best_model_at_end:
         return
     need(args.eval_strategy != "no", "load_best_model_at_end", "needs evaluations: set eval_strategy to steps or "
