@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddpkit.args import ArgumentParser, TrainingArguments
+from ddpkit import ArgumentParser, TrainingArguments
 from ddpkit import destroy_process_group
 from ddpkit.trainer import Trainer, set_seed
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpkit.args import ArgumentParser, TrainingArguments
+from ddpkit import ArgumentParser, TrainingArguments
 from ddpkit import destroy_process_group
 from ddpkit.trainer import Trainer, set_seed
 

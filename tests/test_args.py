@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpkit.args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
+from ddpkit.args import ArgumentError, TrainingArguments
+from ddpkit.args_cli import ArgumentParser, parse_args
 
 # Transformers' documented defaults for the fields we mirror.
 TRANSFORMERS_DEFAULTS = dict(
@@ -220,20 +221,24 @@ def test_valid_values_survive_the_command_line(lr, bs, accum, steps, ratio, seed
 
 def test_args_module_imports_only_the_rank_question_of_env():
     import ddpkit.args as module
+    import ddpkit.args_cli as cli
 
-    with open(module.__file__, encoding="utf-8") as f:
-        source = f.read()
-    # It reaches the launcher's variables (env.py, the lowest layer) in two ways only: through args_process (the
+    def local_imports(mod):
+        with open(mod.__file__, encoding="utf-8") as f:
+            source = f.read()
+        return [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
+                and line.lstrip().startswith(("import", "from"))]
+
+    # They reach the launcher's variables (env.py, the lowest layer) in two ways only: through args_process (the
     # process facts a script reads off the arguments), and to show a command-line error once, not once per rank.
-    local = [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
-             and line.lstrip().startswith(("import", "from"))]
-    assert local == ["from .args_foreign import ForeignDefaults, ForeignDropping, explain, foreign_flag, "
-                     "without_foreign",
-                     "from .args_process import ProcessMixin",
-                     "from .validation import DDP_BACKENDS, REPORTERS, SAVE_STRATEGIES, SCHEDULERS, STRATEGIES, "
-                     "ArgumentError, validate",
-                     "from .env import report_startup_error  # the one module that knows the launcher (rank, "
-                     "error file)"], local
+    assert local_imports(module) == [
+        "from .args_foreign import ForeignDefaults, ForeignDropping", "from .args_process import ProcessMixin",
+        "from .validation import DDP_BACKENDS, REPORTERS, SAVE_STRATEGIES, SCHEDULERS, STRATEGIES, ArgumentError, "
+        "validate"], local_imports(module)
+    assert local_imports(cli) == [
+        "from .args import ArgumentError, TrainingArguments, string_to_bool",
+        "from .args_foreign import explain, foreign_flag, without_foreign",
+        "from .env import report_startup_error  # the one module that knows the launcher (rank, error file)"]
     import ddpkit.validation as checks
 
     with open(checks.__file__, encoding="utf-8") as f:

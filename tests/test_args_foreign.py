@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from ddpkit.args import ArgumentError, ArgumentParser, TrainingArguments
+from ddpkit.args import ArgumentError, TrainingArguments
+from ddpkit.args_cli import ArgumentParser
 from ddpkit.args_foreign import FOREIGN, ForeignArgument
 
 

@@ -12,7 +12,8 @@ from .join import Join
 from .sampler import DistributedSampler
 from .zero import ZeroRedundancyOptimizer
 from .precision import AgreedGradScaler
-from .args import ArgumentError, ArgumentParser, TrainingArguments, parse_args
+from .args import ArgumentError, TrainingArguments
+from .args_cli import ArgumentParser, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .callbacks import TrainerCallback, TrainerControl
 from .trainer import EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
