@@ -256,4 +256,13 @@ def string_to_bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
 
 
+def __getattr__(name: str) -> Any:
+    """ddpkit.args.ArgumentParser and parse_args, which lived here before args_cli.py: still found here."""
+    if name in ("ArgumentParser", "parse_args"):
+        from . import args_cli
+
+        return getattr(args_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["ArgumentError", "TrainingArguments", "string_to_bool", "trainer_arguments", "validate"]
