@@ -51,8 +51,8 @@ def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_a
     assert args.eval_do_concat_batches is True and args.deepspeed is None and args.log_level == "passive"
     args.include_for_metrics.append("inputs")
     assert args.include_for_metrics == []
-    args.prediction_loss_only = False  # the default: nothing to refuse, nothing kept
-    assert "prediction_loss_only" not in vars(args)
+    args.eval_delay = 0  # the default: nothing to refuse, nothing kept
+    assert "eval_delay" not in vars(args)
     with pytest.raises(ForeignArgument, match="eval_do_concat_batches=False"):
         args.eval_do_concat_batches = False
     assert args.eval_do_concat_batches is True

@@ -59,3 +59,33 @@ def test_an_overridden_prediction_step_makes_the_predictions_as_in_transformers(
         np.testing.assert_array_equal(rank[0], predictions)
         np.testing.assert_array_equal(rank[1], label_ids)
         assert rank[2] == loss
+
+
+def test_prediction_loss_only_gives_the_loss_alone_as_in_transformers(tmp_path, local_world):
+    """predict: predictions and label_ids None, the loss; evaluate: no compute_metrics. The loss is what a full
+    pass gives. eval_accumulation_steps is taken (each batch's predictions leave the device at once here)."""
+    import transformers
+
+    data, called = classification_data(7), []
+
+    def metrics(pred):
+        called.append(1)
+        return {"n": len(pred.predictions)}
+
+    torch.manual_seed(0)
+    hf_args = transformers.TrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2, use_cpu=True,
+                                             report_to="none", prediction_loss_only=True)
+    theirs = transformers.Trainer(model=Classifier().double(), args=hf_args, compute_metrics=metrics).predict(data)
+    torch.manual_seed(0)
+    full = Trainer(Classifier().double(), trainer_args(tmp_path / "full", per_device_eval_batch_size=2)).predict(data)
+    torch.manual_seed(0)
+    args = trainer_args(tmp_path / "mine", per_device_eval_batch_size=2, prediction_loss_only=True,
+                        eval_accumulation_steps=3)
+    trainer = Trainer(Classifier().double(), args, compute_metrics=metrics)
+    called.clear()
+    mine = trainer.predict(data)
+    assert mine.predictions is None and mine.label_ids is None and theirs.predictions is None
+    assert [k for k in mine.metrics if not k.endswith(("_time", "_second", "_runtime"))] == ["test_loss"]
+    assert abs(mine.metrics["test_loss"] - full.metrics["test_loss"]) < 1e-15
+    assert abs(mine.metrics["test_loss"] - theirs.metrics["test_loss"]) < 1e-6  # Transformers' sum is float32
+    assert "eval_n" not in trainer.evaluate(data) and not called

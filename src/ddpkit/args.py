@@ -35,6 +35,10 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")
     per_device_train_batch_size: int = _field(8, "Training batch size per process (per data-parallel rank).")
     per_device_eval_batch_size: int = _field(8, "Evaluation batch size per process.")
+    prediction_loss_only: bool = _field(False, "evaluate and predict compute the loss only: no predictions (None "
+                                               "from predict), no compute_metrics.")
+    eval_accumulation_steps: int | None = _field(None, "Taken for Transformers' scripts: ddpkit moves each batch's "
+                                                       "predictions off the device at once, as 1 does there.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")
     learning_rate: float = _field(5e-5, "Peak learning rate of the optimizer (optim).")
     weight_decay: float = _field(0.0, "Weight decay (decoupled for AdamW and Adafactor, L2 for sgd); not applied to "

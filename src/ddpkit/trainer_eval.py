@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from . import evaluation, model_io
 from .plan import due
-from .state import PredictionOutput
+from .state import EvalPrediction, PredictionOutput
 from .timeline import CHECKPOINT, EVALUATION
 
 
@@ -43,10 +43,10 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         _check_ignore_keys(ignore_keys)
+        metric = None if self.args.prediction_loss_only else self.compute_metrics  # none: the loss only
         part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", ignore_keys,
-                                            want_predictions=self.compute_metrics is not None)
-        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, self.compute_metrics,
-                                        self.world.device)
+                                            want_predictions=metric is not None)
+        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, metric, self.world.device)
         self._add_speed(metrics, metric_key_prefix, start, len(dataset))
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
@@ -58,10 +58,15 @@ class EvaluationMixin:
         every rank, with the labels and the loss where the batches have labels; call it on every rank. The
         predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
         _check_ignore_keys(ignore_keys)
+        loss_only = self.args.prediction_loss_only  # as Transformers: no predictions, no label_ids
         part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset", ignore_keys,
-                                            want_predictions=True, unnamed_labels=False)
-        prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
-                                                                self.compute_metrics, self.world.device)
+                                            want_predictions=not loss_only, unnamed_labels=False)
+        if loss_only:
+            prediction = EvalPrediction(None, None)
+            metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, None, self.world.device)
+        else:
+            prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
+                                                                    self.compute_metrics, self.world.device)
         self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
         self._fire("on_predict", metrics=metrics)
         return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
