@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import Classifier, classification_data, run_world, trainer_args
 
 from ddpkit.trainer import Trainer
@@ -59,3 +58,35 @@ def test_an_override_that_gives_a_rank_other_samples_fails_on_every_rank(tmp_pat
     for told in run_world(whole_set_world, 2, args=(str(tmp_path),), deadline_s=60):
         assert told is not None and "rank 0 predicted 6 samples where ddpkit dealt it 4" in told, told
         assert "keep super()'s sampler" in told
+
+
+def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, local_world):
+    """dataloader_pin_memory (on GPUs only), dataloader_persistent_workers and dataloader_prefetch_factor, as
+    Transformers passes them; with two workers the weights are those of loading in the main process. Worker
+    settings without workers are refused, as torch's DataLoader would at the first epoch."""
+    from conftest import params_of
+
+    from ddpkit.args import ArgumentError, TrainingArguments
+    from ddpkit.args_cli import ArgumentParser
+
+    found = []
+    for name, kw in (("main", {}), ("workers", dict(dataloader_num_workers=2, dataloader_persistent_workers=True,
+                                                      dataloader_prefetch_factor=3, dataloader_pin_memory=False))):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / name, per_device_train_batch_size=4, max_steps=4, **kw)
+        trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(12))
+        loader = trainer.get_train_dataloader()
+        assert not loader.pin_memory  # a CPU run never pins
+        if kw:
+            assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+        trainer.train()
+        found.append(params_of(trainer.model))
+    for a, b in zip(*found):
+        assert (a == b).all()
+    with pytest.raises(ArgumentError, match="dataloader_prefetch_factor: needs worker processes"):
+        TrainingArguments(output_dir=str(tmp_path), dataloader_prefetch_factor=2)
+    with pytest.raises(ArgumentError, match="dataloader_persistent_workers: needs worker processes"):
+        TrainingArguments(output_dir=str(tmp_path), dataloader_persistent_workers=True)
+    parsed, = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"])
+    assert parsed.dataloader_pin_memory is False

@@ -91,6 +91,11 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     data_seed: int | None = _field(None, "Seed of the data shuffling; defaults to seed.")
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
     dataloader_drop_last: bool = _field(False, "Drop each process's last incomplete training batch.")
+    dataloader_pin_memory: bool = _field(True, "Pin the batches' memory for a faster copy to the GPU (on GPUs only).")
+    dataloader_persistent_workers: bool = _field(False, "Keep a loader's workers between its passes (needs "
+                                                        "dataloader_num_workers > 0).")
+    dataloader_prefetch_factor: int | None = _field(None, "Batches each worker loads ahead (needs "
+                                                          "dataloader_num_workers > 0; torch's default 2).")
     bf16: bool = _field(False, "Run forward passes under bfloat16 autocast (CPU and recent GPUs).")
     # Transformers' fp16, torch_compile and optim flags (ddpkit.precision, ddpkit.wrap, ddpkit.optim):
     fp16: bool = _field(False, "float16 autocast with a gradient scaler (torch.amp.GradScaler): the loss is scaled, "

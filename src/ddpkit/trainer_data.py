@@ -41,7 +41,7 @@ class DataMixin:
         # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
         generator = torch.Generator().manual_seed(data_seed(self.args) + epoch)
         return self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
-                            drop_last=self.args.dataloader_drop_last, pin_memory=self.world.device.type == "cuda")
+                            drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
         """Transformers': this rank's share of an evaluation set (eval_dataset, a set of it by name, or `ds`),
@@ -64,8 +64,12 @@ class DataMixin:
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
         # Its workers are out of the stop's way (ddpkit.loader_workers).
+        a = self.args
+        if a.dataloader_num_workers > 0:
+            kw.update(persistent_workers=a.dataloader_persistent_workers, prefetch_factor=a.dataloader_prefetch_factor)
         return SparedLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
-                            num_workers=self.args.dataloader_num_workers, generator=generator, **kw)
+                            num_workers=a.dataloader_num_workers, generator=generator,
+                            pin_memory=a.dataloader_pin_memory and self.world.device.type == "cuda", **kw)
 
     def _collate(self) -> Callable:
         """data_collator, on samples stripped of the keys model.forward does not take (remove_unused_columns)."""

@@ -113,6 +113,11 @@ def validate(args: Any) -> None:
     need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
     need(args.data_seed is None or 0 <= args.data_seed < 2**32, "data_seed", "must be in [0, 2**32)")
     need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
+    for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
+        need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
+             "needs worker processes: set dataloader_num_workers > 0")
+    need(args.dataloader_prefetch_factor is None or args.dataloader_prefetch_factor >= 1, "dataloader_prefetch_factor",
+         "must be >= 1")
     need(bool(args.output_dir), "output_dir", "must name a folder")
     if args.output_dir:
         problem = _unwritable(args.output_dir)
