@@ -112,12 +112,6 @@ def validate(args: Any) -> None:
          "must be >= 1, or unset to keep every checkpoint")
     need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
     need(args.data_seed is None or 0 <= args.data_seed < 2**32, "data_seed", "must be in [0, 2**32)")
-    need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
-    for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
-        need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
-             "needs worker processes: set dataloader_num_workers > 0")
-    need(args.dataloader_prefetch_factor is None or args.dataloader_prefetch_factor >= 1, "dataloader_prefetch_factor",
-         "must be >= 1")
     need(bool(args.output_dir), "output_dir", "must name a folder")
     if args.output_dir:
         problem = _unwritable(args.output_dir)
@@ -132,6 +126,7 @@ def validate(args: Any) -> None:
     need(args.label_names is None or (isinstance(args.label_names, list) and all(
         isinstance(n, str) and n for n in args.label_names)), "label_names", "must be a list of batch keys")
     _validate_scheduler_kwargs(args, need)
+    _validate_loaders(args, need)
     _validate_best_model(args, need)
     _validate_ddp(args, need)
     _validate_flags(args, need)
@@ -159,6 +154,15 @@ def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]
     if args.lr_scheduler_type == "polynomial":  # as Transformers: it decays from learning_rate down to lr_end
         need(kwargs.get("lr_end", 1e-7) < args.learning_rate, "lr_scheduler_kwargs",
              f"lr_end ({kwargs.get('lr_end', 1e-7)}) must be below learning_rate ({args.learning_rate})")
+
+
+def _validate_loaders(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
+    for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
+        need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
+             "needs worker processes: set dataloader_num_workers > 0")
+    need(args.dataloader_prefetch_factor is None or args.dataloader_prefetch_factor >= 1, "dataloader_prefetch_factor",
+         "must be >= 1")
 
 
 def _validate_best_model(args: Any, need: Callable[[bool, str, str], None]) -> None:
