@@ -29,7 +29,7 @@ def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_ref
                              push_to_hub=False, log_level="passive", average_tokens_across_devices=True)
     assert (args.do_train, args.run_name) == (True, "r") and "log_level" not in dataclasses.asdict(args)
     for kwargs, hint in ((dict(fsdp="full_shard"), "ddp_zero_stage=1 or 2"),
-                         (dict(neftune_noise_alpha=5.0), "does not implement it"),
+                         (dict(use_liger_kernel=True), "does not implement it"),
                          (dict(average_tokens_across_devices=False), "items of every rank's batches"),
                          (dict(ddp_static_graph=True), "static_graph=True")):
         with pytest.raises(ForeignArgument, match=hint) as caught:

@@ -118,6 +118,8 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     include_num_input_tokens_seen: str | bool = _field("no", "Count the input tokens trained on, over every rank, "
                                                             "into num_input_tokens_seen (state and logs): all, "
                                                             "non_padding (the attention mask's) or no.")
+    neftune_noise_alpha: float | None = _field(None, "NEFTune: while training, uniform noise of alpha / sqrt(length "
+                                                     "x width) on the input embeddings (get_input_embeddings()).")
     label_smoothing_factor: float = _field(0.0, "Label smoothing: the loss mixes (1 - x) of the labels' and x of "
                                                 "a uniform target's cross-entropy over the vocabulary or classes.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "

@@ -54,7 +54,7 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
     "debug": ("", "ddpkit explains a stalled collective itself (ddp_stall_seconds)"),
     **{name: (default, _NOT_YET) for name, default in (
-        ("neftune_noise_alpha", None), ("use_liger_kernel", False),
+        ("use_liger_kernel", False),
         ("liger_kernel_config", None), ("torch_empty_cache_steps", None),
         ("auto_find_batch_size", False), ("optim_target_modules", None), ("enable_jit_checkpoint", False),
         ("use_cache", False))},

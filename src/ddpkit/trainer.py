@@ -48,6 +48,7 @@ from .env import DistEnv
 from .precision import Precision
 from .plan import SavedPlan, check_train_data, epochs_to_train, plan_for
 from .loop import TrainingLoop, saved_rest
+from .neftune import noisy_embeddings
 from .report import Progress, Reporter, write_loss_curve
 from .rng import set_seed
 from .running_loss import RunningLoss
@@ -208,7 +209,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         check_train_data(self.train_dataset, self.world.world_size)
         lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
         try:
-            output = self._train(resume_from_checkpoint)
+            with noisy_embeddings(self.model, self.args.neftune_noise_alpha):  # NEFTune: while training only
+                output = self._train(resume_from_checkpoint)
             step.wait_for_params(self.optimizer)  # stage 2 leaves the last step's all-gathers in flight: finish them
             return output
         finally:

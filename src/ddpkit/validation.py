@@ -106,6 +106,7 @@ def validate(args: Any) -> None:
         need(float(getattr(args, name)).is_integer(), name, "must be a whole number")
     need(args.warmup_steps < 1 or float(args.warmup_steps).is_integer(), "warmup_steps",
          "must be a whole number, or a float below 1 (a fraction of the total steps)")
+    need(args.neftune_noise_alpha is None or args.neftune_noise_alpha >= 0, "neftune_noise_alpha", "must be >= 0")
     need(args.eval_accumulation_steps is None or args.eval_accumulation_steps >= 1, "eval_accumulation_steps",
          "must be >= 1, or unset")
     need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
