@@ -10,7 +10,7 @@ import torch
 
 from ddpkit.args import ArgumentError, TrainingArguments
 from ddpkit.args_cli import ArgumentParser
-from ddpkit.args_foreign import FOREIGN, ForeignArgument
+from ddpkit.args_foreign import FOREIGN, NORMALISED, ForeignArgument
 
 
 def test_the_table_names_transformers_fields_that_ddpkit_has_not_with_their_defaults():
@@ -47,8 +47,9 @@ def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_a
     AttributeError here, once the field was dropped. Every foreign field reads as its default (a fresh copy)."""
     args = TrainingArguments(output_dir=str(tmp_path))
     for name, (default, _) in FOREIGN.items():
-        assert getattr(args, name) == default, name
+        assert getattr(args, name) == NORMALISED.get(name, [default])[0], name  # as Transformers' __post_init__
     assert args.eval_do_concat_batches is True and args.deepspeed is None and args.log_level == "passive"
+    assert args.debug == [] and args.activation_checkpointing is False
     args.include_for_metrics.append("inputs")
     assert args.include_for_metrics == []
     args.eval_delay = 0  # the default: nothing to refuse, nothing kept
@@ -58,6 +59,16 @@ def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_a
     assert args.eval_do_concat_batches is True
     with pytest.raises(AttributeError, match="no attribute 'bogus'"):
         args.bogus  # noqa: B018 - a name that is no field of either stays an AttributeError
+
+    @dataclasses.dataclass
+    class Mine(TrainingArguments):  # a script's own field may take a Transformers-only name: then it is its own
+        debug: bool = False
+        log_level: str = "info"
+
+    mine = Mine(output_dir=str(tmp_path), debug=True)
+    assert (mine.debug, mine.log_level) == (True, "info")
+    mine.log_level = "warning"
+    assert mine.log_level == "warning" and Mine(output_dir=str(tmp_path)).debug is False
 
 
 def test_on_the_command_line_and_in_a_dict(tmp_path, capsys):

@@ -138,13 +138,18 @@ def test_save_strategy_best_saves_where_transformers_does(tmp_path, local_world)
     scores = iter([0.5, 0.4, 0.7, 0.6, 0.8, 0.1] * 2)
     common = dict(per_device_train_batch_size=2, max_steps=11, eval_strategy="steps", eval_steps=2,
                   save_strategy="best", metric_for_best_model="score", report_to="none")
+    class AsksToSave(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            control.should_save = True  # the evaluation's verdict overrides it there (and here)
+
     found = {}
     for name, make in (("ours", lambda out: trainer_args(out, **common)),
                        ("theirs", lambda out: transformers.TrainingArguments(out, use_cpu=True, **common))):
         out = tmp_path / name
         kind = Trainer if name == "ours" else transformers.Trainer
         trainer = kind(model=Classifier().double(), args=make(str(out)), train_dataset=classification_data(24),
-                       eval_dataset=classification_data(4, seed=1), compute_metrics=lambda _: {"score": next(scores)})
+                       eval_dataset=classification_data(4, seed=1), compute_metrics=lambda _: {"score": next(scores)},
+                       callbacks=[AsksToSave()])
         trainer.train()
         found[name] = (sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")),
                        os.path.basename(trainer.state.best_model_checkpoint), trainer.state.best_metric)

@@ -47,6 +47,11 @@ def test_the_final_save_replaces_a_corrupt_checkpoint_of_the_run(tmp_path, local
     for name, value in weights.items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert again.saves.exists(6) and again.saves.exists(4) and not again.saves.exists(5)
+    # The same Trainer again, the same run resumed: what its last call wrote is no proof of what the disk holds.
+    _flip_a_byte(os.path.join(last, "model.safetensors"))
+    with pytest.warns(RuntimeWarning, match="skipping the corrupt checkpoint"):
+        again.train(resume_from_checkpoint=True)
+    assert integrity.problems(last) == []
 
 
 def test_a_checkpoint_rotation_cannot_delete_stays_and_the_run_goes_on(tmp_path, local_world, monkeypatch):

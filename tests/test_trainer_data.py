@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import Classifier, classification_data, run_world, trainer_args
 
+from ddpkit.collator import default_data_collator
 from ddpkit.trainer import Trainer
 
 
@@ -37,27 +38,39 @@ def test_the_loaders_take_transformers_arguments_and_overrides_are_used(tmp_path
     trainer.train()
     # the plan's look at the data, then each epoch's loader; each epoch's evaluation of both sets
     assert Counting.made == ["train", "train", "eval", "eval", "train", "eval", "eval"], Counting.made
+    assert sum(len(b["labels"]) for b in trainer.get_train_dataloader()) == 8  # a whole epoch, not a run's rest
     with pytest.raises(KeyError, match="it has"):
         trainer.get_eval_dataloader("c")
 
 
-def whole_set_world(world, out):
-    class Whole(Trainer):
-        def get_test_dataloader(self, test_dataset):
-            return torch.utils.data.DataLoader(test_dataset, batch_size=2, collate_fn=self.data_collator)
+def other_samplers_world(world, out):
+    """Two overrides: the whole set on every rank, and torch's DistributedSampler (as many samples as ddpkit deals
+    a rank, other ones: the predictions came back in another order, silently)."""
+    def loader(samples, sampler=None):
+        return torch.utils.data.DataLoader(samples, batch_size=2, sampler=sampler, collate_fn=default_data_collator)
 
-    trainer = Whole(Classifier().double(), trainer_args(out, per_device_eval_batch_size=2))
-    try:
-        trainer.predict(classification_data(6))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    told = {}
+    for name, make in (("whole", lambda samples: loader(samples)),
+                       ("torch's", lambda samples: loader(samples, torch.utils.data.DistributedSampler(
+                           samples, shuffle=False)))):
+        class Other(Trainer):
+            def get_test_dataloader(self, test_dataset):
+                return make(test_dataset)
+
+        trainer = Other(Classifier().double(), trainer_args(f"{out}/{name}", per_device_eval_batch_size=2))
+        try:
+            trainer.predict(classification_data(8))
+            told[name] = None
+        except ValueError as exc:
+            told[name] = str(exc)
+    return told
 
 
 def test_an_override_that_gives_a_rank_other_samples_fails_on_every_rank(tmp_path):
-    for told in run_world(whole_set_world, 2, args=(str(tmp_path),), deadline_s=60):
-        assert told is not None and "rank 0 predicted 6 samples where ddpkit dealt it 4" in told, told
-        assert "keep super()'s sampler" in told
+    for told in run_world(other_samplers_world, 2, args=(str(tmp_path),), deadline_s=60):
+        assert "rank 0 predicted 8 samples, not the 4 ddpkit dealt it" in (told["whole"] or ""), told
+        assert "rank 0 predicted 4 samples, not the 4 ddpkit dealt it in their order" in (told["torch's"] or ""), told
+        assert all("keep super()'s sampler" in text for text in told.values())
 
 
 def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, local_world):

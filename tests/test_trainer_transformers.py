@@ -366,8 +366,8 @@ def test_the_trainer_takes_transformers_arguments_in_transformers_order(tmp_path
 
 def test_model_init_makes_the_model_after_the_seed_as_transformers_train_does(tmp_path, local_world):
     """Transformers' train() seeds, then calls model_init (with the trial None where it takes an argument): the same
-    weights here, made once at construction. A model given beside it is replaced (a warning); neither, or a
-    model_init of two arguments, is a RuntimeError, as there."""
+    weights here. Its errors too: a model beside it (ValueError), optimizers beside it, neither, or a model_init of
+    two arguments (RuntimeError)."""
     import transformers
 
     data = classification_data(8)
@@ -376,12 +376,21 @@ def test_model_init_makes_the_model_after_the_seed_as_transformers_train_does(tm
     hf = transformers.Trainer(model_init=lambda: Classifier().double(), args=hf_args, train_dataset=data)
     hf.train()
     torch.manual_seed(0)  # whatever came before: model_init runs after the args' seed
-    mine = Trainer(args=trainer_args(tmp_path / "mine"), train_dataset=data, model_init=lambda trial: Classifier())
+    mine = Trainer(args=trainer_args(tmp_path / "mine"), train_dataset=data,
+                   model_init=lambda trial: Classifier().double())
     for got, want in zip(mine.model.state_dict().values(), hf.model.state_dict().values()):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=0)
-    with pytest.warns(UserWarning, match="model_init's model replaces it"):
-        both = Trainer(torch.nn.Linear(2, 2), trainer_args(tmp_path / "both"), model_init=lambda: Classifier())
-    assert isinstance(both.model, Classifier)
+    mine.args.max_steps = 2
+    mine.train()
+    first = [p.detach().clone() for p in mine.model.parameters()]
+    mine.train()  # each train() call trains a fresh model, as Transformers' calls do: the same weights again
+    for once, again in zip(first, mine.model.parameters()):
+        torch.testing.assert_close(once, again.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="but not both"):
+        Trainer(torch.nn.Linear(2, 2), trainer_args(tmp_path / "both"), model_init=lambda: Classifier())
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="incompatible with providing the `optimizers`"):
+        Trainer(args=trainer_args(tmp_path / "opt"), model_init=lambda: Classifier(), optimizers=(opt, None))
     with pytest.raises(RuntimeError, match="either a `model` or `model_init`"):
         Trainer(args=trainer_args(tmp_path / "none"))
     with pytest.raises(RuntimeError, match="0 or 1 argument"):

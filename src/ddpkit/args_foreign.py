@@ -74,7 +74,9 @@ class ForeignDropping(type):
     drops the Transformers-only keyword arguments at Transformers' default and refuses the others."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, **without_foreign(kwargs))
+        own = getattr(cls, "__dataclass_fields__", {})  # a subclass may declare one of these names: its own field
+        kept = {name: value for name, value in kwargs.items() if name in own}
+        return super().__call__(*args, **without_foreign({k: v for k, v in kwargs.items() if k not in own}), **kept)
 
 
 class ForeignDefaults:
@@ -83,12 +85,12 @@ class ForeignDefaults:
     list or dict. Setting one to another value raises ForeignArgument; to the default, nothing changes."""
 
     def __getattr__(self, name: str) -> Any:  # only for names that are no field, property nor method
-        if name in FOREIGN:
-            return copy.deepcopy(FOREIGN[name][0])
+        if name in FOREIGN:  # as Transformers' __post_init__ leaves it (debug: [], not "")
+            return copy.deepcopy(NORMALISED[name][0] if name in NORMALISED else FOREIGN[name][0])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in FOREIGN:
+        if name in FOREIGN and name not in getattr(type(self), "__dataclass_fields__", {}):
             without_foreign({name: value})  # ForeignArgument unless it is the default: then dropped, as at __init__
             return
         super().__setattr__(name, value)

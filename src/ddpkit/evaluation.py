@@ -94,6 +94,7 @@ class Part:
     bad_sum: float = 0.0  # the same for the batches whose loss is nan or inf
     bad_samples: float = 0.0
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    dealt: bool = True  # its loader read the samples evaluation.shard dealt this rank (reads), in that order
     labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
 
 
@@ -131,6 +132,15 @@ def _one_tensor(logits: Any, maker: str) -> torch.Tensor:
         raise TypeError(f"{maker} returned {type(logits).__name__} for the logits; ddpkit gathers one tensor a batch: "
                         "return a tensor (logits.argmax(-1), say)")
     return logits
+
+
+def reads(loader: Any, indices: list[int]) -> bool:
+    """Whether `loader` reads exactly `indices`, in order (its sampler's; a loader without one cannot say)."""
+    sampler = getattr(loader, "sampler", None)
+    try:
+        return sampler is not None and [int(i) for i in sampler] == list(indices)
+    except TypeError:  # not iterable, or not indices
+        return False
 
 
 def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
@@ -213,7 +223,7 @@ def _samples(labels: Any) -> int:
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
     """Every rank's predictions (and labels), in dataset order, on every rank."""
     local = (indices, _concat(part.predictions) if part.predictions else None,
-             _joined(part.labels) if part.labels else None)
+             _joined(part.labels) if part.labels else None, part.dealt)
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_shards(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
@@ -227,15 +237,15 @@ def _check_shards(shards: list[tuple]) -> None:
     """A prediction for every sample dealt to a rank, and labels for every prediction or for none (each rank sees
     every shard, so all raise alike, no hang)."""
     counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
-    for rank, ((indices, _, _), (predictions, _)) in enumerate(zip(shards, counts)):
-        if predictions != len(indices):
-            raise ValueError(f"rank {rank} predicted {predictions} samples where ddpkit dealt it {len(indices)}: an "
-                             "overridden get_eval_dataloader or get_test_dataloader must keep super()'s sampler "
-                             "(every sample once over the ranks)")
+    for rank, ((indices, _, _, dealt), (predictions, _)) in enumerate(zip(shards, counts)):
+        if predictions != len(indices) or not dealt:
+            raise ValueError(f"rank {rank} predicted {predictions} samples, not the {len(indices)} ddpkit dealt it in "
+                             "their order: an overridden get_eval_dataloader or get_test_dataloader must keep "
+                             "super()'s sampler (every sample once over the ranks, in dataset order)")
     if any(labels for _, labels in counts) and any(labels != predictions for predictions, labels in counts):
         raise ValueError("some batches of the dataset have labels and some do not: give every sample its labels "
                          "(for a loss and compute_metrics) or none (predictions only)")
 
 
-__all__ = ["Part", "accumulate", "can_return_loss", "gather_predictions", "label_names_of", "labels_named",
+__all__ = ["Part", "accumulate", "reads", "can_return_loss", "gather_predictions", "label_names_of", "labels_named",
            "over_ranks", "predictions_over_ranks", "shard"]

@@ -37,6 +37,11 @@ class Saves:
     def folder(self, step: int) -> str:
         return os.path.join(self.output_dir, f"{checkpoint.PREFIX}-{step}")
 
+    def start(self, run: str | None) -> None:
+        """A train() call begins, as `run`: what an earlier call wrote is no proof of what the disk holds now
+        (a resume of the same run may have skipped its checkpoint as corrupt)."""
+        self.run, self._written = run, set()
+
     def exists(self, step: int) -> bool:
         """Whether this run has a whole checkpoint-<step>, as rank 0 sees it: every rank must take the same
         decision, also on nodes that do not share a file system (saving is a collective). Another run's checkpoint

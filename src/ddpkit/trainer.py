@@ -94,17 +94,9 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         set_seed(args.seed)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model_init = model_init
-        self.model, self.model_wrapped = prepare_model(model_from(model, model_init), args, self.world)
+        self._take_model(model_from(model, model_init, optimizers))
         self.precision = Precision.for_args(args, self.world.device, self.comm)
-        self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
-        self.label_smoothing = model_io.smoothing_for(self.model, args.label_smoothing_factor)  # 0: none
-        self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
-        # What prediction_step takes for labels, and whether a batch without them has a loss (Transformers' rules)
-        self.label_names = evaluation.label_names_of(self.model, args.label_names)
-        self.can_return_loss = evaluation.can_return_loss(self.model)
         self.current_flos = 0.0  # this rank's floating-point operations since store_flos summed them (total_flos)
-        own_count = type(self).floating_point_ops is not Trainer.floating_point_ops  # a subclass's: counted
-        self._counts_flos = own_count or step.counts_flos(self.model)  # the same on every rank: store_flos's all-reduce
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         if args.eval_strategy != "no" and eval_dataset is None:  # as Transformers: it would never evaluate
             raise ArgumentError("eval_strategy", f"is {args.eval_strategy!r} but the Trainer got no eval_dataset; "
@@ -127,6 +119,19 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self.callback_handler, self.control = CallbackHandler(callbacks), TrainerControl()
         self._agreement = Agreement(self.comm, self.world.device)  # rank 0's control, on every rank (callbacks.py)
         self._fire("on_init_end")
+
+    def _take_model(self, model: nn.Module) -> None:
+        """The model to train, made ready (wrap.prepare_model), and what the Trainer reads off it once."""
+        args = self.args
+        self.model, self.model_wrapped = prepare_model(model, args, self.world)
+        self.model_accepts_loss_kwargs = model_io.accepts_loss_kwargs(self.model)  # as Transformers' Trainer
+        self.label_smoothing = model_io.smoothing_for(self.model, args.label_smoothing_factor)  # 0: none
+        self._loss_shifts_labels = model_io.loss_shifts_labels(self.model)  # its items: labels[..., 1:]
+        # What prediction_step takes for labels, and whether a batch without them has a loss (Transformers' rules)
+        self.label_names = evaluation.label_names_of(self.model, args.label_names)
+        self.can_return_loss = evaluation.can_return_loss(self.model)
+        own_count = type(self).floating_point_ops is not Trainer.floating_point_ops  # a subclass's: counted
+        self._counts_flos = own_count or step.counts_flos(self.model)  # the same on every rank: store_flos's all-reduce
 
     # -- callbacks -------------------------------------------------------------------------------------------------
     def add_callback(self, callback: Any) -> None:
@@ -207,6 +212,10 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         resume_from_checkpoint: a checkpoint folder, or True for the newest in output_dir; None: the args' value.
         """
         check_train_data(self.train_dataset, self.world.world_size)
+        if self.model_init is not None:  # as Transformers: each call trains a fresh model of model_init's, seeded
+            set_seed(self.args.seed)
+            self._take_model(model_from(None, self.model_init))
+            self.optimizer, self.lr_scheduler, self._made_scheduler = None, None, False
         lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
         try:
             with noisy_embeddings(self.model, self.args.neftune_noise_alpha):  # NEFTune: while training only
@@ -214,13 +223,15 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
             step.wait_for_params(self.optimizer)  # stage 2 leaves the last step's all-gathers in flight: finish them
             return output
         finally:
+            self._train_sampler = None  # a later get_train_dataloader() reads a whole epoch, not this run's rest
             lock.release()
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         self._start_afresh()
         asked = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         choice = resume.begin_run(asked, self.args.output_dir, self.world, self.comm, key=self._call_key())
-        resume_path, self.saves.run = choice.path, choice.run
+        resume_path = choice.path
+        self.saves.start(choice.run)
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         self._train_sampler = sampler = self.get_train_sampler()
         self._plan(self.get_train_dataloader(), resume_path)

@@ -44,8 +44,9 @@ class DataMixin:
                             drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
-        """Transformers': this rank's share of an evaluation set (eval_dataset, a set of it by name, or `ds`),
-        whole batches dealt out over the ranks (evaluation.shard); an override must keep this sampler."""
+        """Transformers': this rank's share of an evaluation set (the one given, one of the Trainer's by name, or
+        its eval_dataset), whole batches dealt out over the ranks (evaluation.shard); an override must keep this
+        sampler (predict and compute_metrics check it: evaluation.reads)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset)
 

@@ -92,6 +92,7 @@ class EvaluationMixin:
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(loader, forward, want_predictions,
                                          self.preprocess_logits_for_metrics)
+        part.dealt = evaluation.reads(loader, mine)  # checked on every rank where predictions are gathered
         return part, mine, start
 
     def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
@@ -111,6 +112,7 @@ class EvaluationMixin:
         through compute_loss in evaluate, whose loss must be there, as in training (a model that forgot to return
         it fails, rather than evaluating without a loss), in predict only through the model. The logits are the
         output's "logits" (model_io.logits_of), so the other keys (ignore_keys') never enter them."""
+        inputs = self._prepare_inputs(inputs)  # as Transformers': a direct call may pass the CPU's batch
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
         with torch.no_grad(), self.precision.autocast():
@@ -174,14 +176,16 @@ class EvaluationMixin:
                              self.state.save_steps, evaluated=self.state.logged_at(self._evaluation_key(), step))
         evaluate = evaluate or self.control.should_evaluate  # the control is agreed
         self.control.should_evaluate = False
+        new_best = False
         if evaluate and self.eval_dataset is not None:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
             if self.best is not None:
                 _check_best_metric(self.best.key, metrics, self.label_names, self._evaluation_sets())
-                new_best = self.best.note_evaluation(self.state, metrics)
-                save = save or (new_best and self.args.save_strategy == "best")  # every rank's metrics alike
+                new_best = self.best.note_evaluation(self.state, metrics)  # every rank's metrics alike
             # What on_evaluate asked (a save, a stop) is rank 0's, as at a step's end; a save it asked is made now.
             self._agreement.settle(self.control, f"after the evaluation of step {step}")
+            if self.args.save_strategy == "best":  # as Transformers: a new best decides, whatever was asked before
+                self.control.should_save = new_best
         save = save or self.control.should_save
         self.control.should_save = False
         if final and save:

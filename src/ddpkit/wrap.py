@@ -14,6 +14,7 @@ import inspect
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,16 +65,20 @@ def ddp_of(wrapped: nn.Module) -> DistributedDataParallel | None:
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
-def model_from(model: nn.Module | None, model_init: Callable[..., nn.Module] | None) -> nn.Module:
-    """The model the Trainer trains, by Transformers' rules: model_init's (called with no argument, or with the
-    trial None where it takes one), which replaces a model also given (with a warning); else `model`."""
+def model_from(model: nn.Module | None, model_init: Callable[..., nn.Module] | None,
+               optimizers: tuple[Any, Any] = (None, None)) -> nn.Module:
+    """The model the Trainer trains, by Transformers' rules (and errors): `model`, or model_init's, called with no
+    argument or with the trial None where it takes one; not both, and no optimizers beside model_init (they would
+    hold another model's parameters)."""
     if model_init is None:
         if model is None:
             raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
         return model
     if model is not None:
-        warnings.warn("`Trainer` got both a `model` and `model_init`: model_init's model replaces it",
-                      UserWarning, stacklevel=3)
+        raise ValueError("`Trainer` requires either a `model` or `model_init` argument, but not both.")
+    if any(given is not None for given in optimizers):
+        raise RuntimeError("Passing a `model_init` is incompatible with providing the `optimizers` argument: "
+                           "override create_optimizer (and create_scheduler) instead")
     count = len(inspect.signature(model_init).parameters)
     if count > 1:
         raise RuntimeError("model_init should have 0 or 1 argument.")
