@@ -103,3 +103,19 @@ def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, lo
     parsed, = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"])
     assert parsed.dataloader_pin_memory is False
+
+
+def test_train_sampling_strategy_sequential_keeps_the_dataset_order(tmp_path, local_world):
+    """Transformers' train_sampling_strategy: random (shuffled each epoch) or sequential; its length-grouping
+    samplers are refused, saying what to do instead."""
+    from ddpkit.args import ArgumentError, TrainingArguments
+
+    order = {}
+    for strategy in ("random", "sequential"):
+        args = trainer_args(tmp_path / strategy, per_device_train_batch_size=4, train_sampling_strategy=strategy)
+        trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(12))
+        order[strategy] = [int(i) for batch in trainer.get_train_dataloader() for i in batch["idx"]]
+    assert order["sequential"] == list(range(12)) and sorted(order["random"]) == list(range(12))
+    assert order["random"] != order["sequential"]
+    with pytest.raises(ArgumentError, match="train_sampling_strategy: must be random or sequential"):
+        TrainingArguments(output_dir=str(tmp_path), train_sampling_strategy="group_by_length")

@@ -42,7 +42,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "dataloader_multiprocessing_context": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
-    "train_sampling_strategy": ("random", "ddpkit's DistributedSampler shuffles each epoch (data_seed)"),
     "length_column_name": ("length", "ddpkit's DistributedSampler shuffles each epoch (data_seed)"),
     "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
     "gradient_checkpointing_kwargs": (None, "gradient_checkpointing=True calls model.gradient_checkpointing_enable() "

@@ -31,7 +31,8 @@ class DataMixin:
 
     def get_train_sampler(self) -> DistributedSampler:
         return DistributedSampler(self.train_dataset, num_replicas=self.world.world_size, rank=self.world.rank,
-                                  shuffle=True, seed=data_seed(self.args), drop_last=False)
+                                  shuffle=self.args.train_sampling_strategy == "random", seed=data_seed(self.args),
+                                  drop_last=False)
 
     def get_train_dataloader(self) -> DataLoader:
         """Transformers': this rank's batches of the training set, for the train sampler's current epoch."""

@@ -158,6 +158,9 @@ def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]
 
 
 def _validate_loaders(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    need(args.train_sampling_strategy in ("random", "sequential"), "train_sampling_strategy", "must be random or "
+         "sequential (Transformers' group_by_length and batch_rebalance samplers are not ddpkit's: sort or bucket "
+         "the dataset by length yourself and train it sequential)")
     need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
     for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
         need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
