@@ -50,8 +50,8 @@ def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_a
         assert getattr(args, name) == NORMALISED.get(name, [default])[0], name  # as Transformers' __post_init__
     assert args.eval_do_concat_batches is True and args.deepspeed is None and args.log_level == "passive"
     assert args.debug == [] and args.activation_checkpointing is False
-    args.include_for_metrics.append("inputs")
-    assert args.include_for_metrics == []
+    args.debug.append("underflow_overflow")
+    assert args.debug == []  # a fresh copy each read
     args.eval_delay = 0  # the default: nothing to refuse, nothing kept
     assert "eval_delay" not in vars(args)
     with pytest.raises(ForeignArgument, match="eval_do_concat_batches=False"):

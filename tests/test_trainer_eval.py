@@ -89,3 +89,42 @@ def test_prediction_loss_only_gives_the_loss_alone_as_in_transformers(tmp_path, 
     assert abs(mine.metrics["test_loss"] - full.metrics["test_loss"]) < 1e-15
     assert abs(mine.metrics["test_loss"] - theirs.metrics["test_loss"]) < 1e-6  # Transformers' sum is float32
     assert "eval_n" not in trainer.evaluate(data) and not called
+
+
+def include_world(world, out):
+    from conftest import Tagger, pad_collate, token_data
+
+    seen = []
+
+    def metrics(pred):
+        predictions, labels, inputs, losses = pred  # unpacked as Transformers' EvalPrediction is, with both
+        seen.append((inputs, losses, pred.inputs is inputs))
+        return {}
+
+    torch.manual_seed(0)
+    args = trainer_args(out, per_device_eval_batch_size=2, include_for_metrics=["inputs", "loss"])
+    Trainer(Tagger(), args, data_collator=pad_collate, compute_metrics=metrics).evaluate(token_data(7))
+    return seen[0]
+
+
+def test_include_for_metrics_gives_inputs_and_losses_as_transformers_does(tmp_path, local_world):
+    """Each sample's main input (padded with -100 across batches of other lengths) and its batch's loss, in dataset
+    order: Transformers' arrays in a world of one, the same on 2 ranks."""
+    import transformers
+
+    from conftest import Tagger, pad_collate, token_data
+
+    theirs = []
+    torch.manual_seed(0)
+    hf_args = transformers.TrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2, use_cpu=True,
+                                             report_to="none", include_for_metrics=["inputs", "loss"])
+    transformers.Trainer(model=Tagger(), args=hf_args, data_collator=pad_collate,
+                         compute_metrics=lambda p: theirs.append((p.inputs, p.losses)) or {}).evaluate(token_data(7))
+    inputs, losses, same = include_world(None, str(tmp_path / "one"))
+    assert same and inputs.shape == theirs[0][0].shape and losses.shape == (7,)
+    np.testing.assert_array_equal(inputs, theirs[0][0])
+    np.testing.assert_allclose(losses, theirs[0][1], rtol=1e-6)
+    ddpkit.destroy_process_group()
+    for rank in run_world(include_world, 2, args=(str(tmp_path / "two"),), deadline_s=60):
+        np.testing.assert_array_equal(rank[0], inputs)
+        np.testing.assert_array_equal(rank[1], losses)

@@ -35,6 +35,8 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     output_dir: str = _field("trainer_output", "Where checkpoints, logs, metrics and the loss curve are written.")
     per_device_train_batch_size: int = _field(8, "Training batch size per process (per data-parallel rank).")
     per_device_eval_batch_size: int = _field(8, "Evaluation batch size per process.")
+    include_for_metrics: list[str] = _field([], "What compute_metrics also gets: inputs (each sample's main model "
+                                                "input), loss (each sample's batch loss).")
     prediction_loss_only: bool = _field(False, "evaluate and predict compute the loss only: no predictions (None "
                                                "from predict), no compute_metrics.")
     eval_accumulation_steps: int | None = _field(None, "Taken for Transformers' scripts: ddpkit moves each batch's "

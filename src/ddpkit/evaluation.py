@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -96,20 +96,25 @@ class Part:
     predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
     dealt: bool = True  # its loader read the samples evaluation.shard dealt this rank (reads), in that order
     labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
+    inputs: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "inputs"
+    losses: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "loss"
 
 
-ForwardResult = tuple[torch.Tensor | None, Any, Any, int]  # (loss, logits, labels, samples): prediction_step's and more
+# (loss, logits, labels, samples, the batch's main model input): prediction_step's, and what more evaluation needs
+ForwardResult = tuple[torch.Tensor | None, Any, Any, int, Any]
 Forward = Callable[[Any], ForwardResult]
 
 
 def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
-               preprocess: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> Part:
+               preprocess: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+               include: Collection[str] = ()) -> Part:
     """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
     left out), keep logits (or what `preprocess(logits, labels)` makes of them: Transformers'
-    preprocess_logits_for_metrics) and labels (None: none) if wanted."""
+    preprocess_logits_for_metrics) and labels (None: none) if wanted, and what `include` names (Transformers'
+    include_for_metrics): "inputs", the main model input, and "loss", the batch's loss once per sample."""
     part = Part()
     for batch in batches:
-        loss, logits, labels, samples = forward(batch)
+        loss, logits, labels, samples, main_input = forward(batch)
         if loss is not None:
             value = loss.detach().double().mean().item()  # a prediction_step's loss may be per sample
             if math.isfinite(value):
@@ -124,6 +129,10 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
             part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
             if labels is not None:
                 part.labels.append(_numpy(labels))
+            if "inputs" in include and main_input is not None:
+                part.inputs.append(_numpy(main_input))
+            if "loss" in include and loss is not None:
+                part.losses.append(_numpy(loss.detach().mean().reshape(1).repeat(samples)))
     return part
 
 
@@ -222,22 +231,21 @@ def _samples(labels: Any) -> int:
 
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
     """Every rank's predictions (and labels), in dataset order, on every rank."""
-    local = (indices, _concat(part.predictions) if part.predictions else None,
-             _joined(part.labels) if part.labels else None, part.dealt)
+    local = (indices, *(_joined(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
+             *(_concat(pieces) if pieces else None for pieces in (part.inputs, part.losses)))
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_shards(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
-    preds = _joined([s[1] for s in shards if s[1] is not None], order)
-    # Whether there are labels is every rank's question alike: a rank without samples has none of its own.
-    labels = [s[2] for s in shards if s[2] is not None]
-    return EvalPrediction(preds, _joined(labels, order) if labels else None)
+    # Whether there are labels (inputs, losses) is every rank's question alike: a rank without samples has none.
+    preds, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in (1, 2, 4, 5))
+    return EvalPrediction(_joined(preds, order), *(_joined(x, order) if x else None for x in (labels, inputs, losses)))
 
 
 def _check_shards(shards: list[tuple]) -> None:
     """A prediction for every sample dealt to a rank, and labels for every prediction or for none (each rank sees
     every shard, so all raise alike, no hang)."""
     counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
-    for rank, ((indices, _, _, dealt), (predictions, _)) in enumerate(zip(shards, counts)):
+    for rank, ((indices, _, _, dealt, *_), (predictions, _)) in enumerate(zip(shards, counts)):
         if predictions != len(indices) or not dealt:
             raise ValueError(f"rank {rank} predicted {predictions} samples, not the {len(indices)} ddpkit dealt it in "
                              "their order: an overridden get_eval_dataloader or get_test_dataloader must keep "

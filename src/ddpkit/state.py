@@ -9,13 +9,30 @@ from typing import Any, NamedTuple
 import numpy as np
 
 
-class EvalPrediction(NamedTuple):
+class EvalPrediction:
     """What compute_metrics receives: every evaluation sample once, in dataset order; label_ids are the batches'
     label_names (a tuple of arrays for several names). The Trainer calls compute_metrics only where the batches
-    have labels, as Transformers does; label_ids is None only in an EvalPrediction made otherwise."""
+    have labels, as Transformers does; label_ids is None only in an EvalPrediction made otherwise. With
+    include_for_metrics, also `inputs` (each sample's main model input) and `losses` (each sample's batch loss).
 
-    predictions: np.ndarray
-    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
+    As Transformers' class, it unpacks (and indexes) as the tuple of what it holds: `predictions, labels = p`
+    without inputs and losses, `predictions, labels, inputs = p` with inputs."""
+
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None):
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+
+    @property
+    def elements(self) -> tuple:
+        return (self.predictions, self.label_ids, *(x for x in (self.inputs, self.losses) if x is not None))
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.elements[index]
+
+    def __len__(self) -> int:
+        return len(self.elements)
 
 
 class PredictionOutput(NamedTuple):

@@ -79,7 +79,9 @@ class EvaluationMixin:
             inputs = self._prepare_inputs(batch)
             loss, logits, labels = self.prediction_step(self.model, inputs, not want_predictions, ignore_keys)
             self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-            return loss, logits, labels, model_io.batch_len(inputs)
+            main = inputs.get(getattr(self.model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) \
+                else None  # include_for_metrics "inputs": the model's main input, as Transformers takes it
+            return loss, logits, labels, model_io.batch_len(inputs), main
 
         self._unnamed_labels = unnamed_labels
         if dataset is None or len(dataset) == 0:
@@ -90,8 +92,8 @@ class EvaluationMixin:
         mine = self._eval_indices(dataset)
         loader = self.get_eval_dataloader(dataset) if unnamed_labels else self.get_test_dataloader(dataset)
         with evaluation.eval_mode(self.model):
-            part = evaluation.accumulate(loader, forward, want_predictions,
-                                         self.preprocess_logits_for_metrics)
+            part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
+                                         self.args.include_for_metrics)
         part.dealt = evaluation.reads(loader, mine)  # checked on every rank where predictions are gathered
         return part, mine, start
 

@@ -107,8 +107,6 @@ def validate(args: Any) -> None:
     need(args.warmup_steps < 1 or float(args.warmup_steps).is_integer(), "warmup_steps",
          "must be a whole number, or a float below 1 (a fraction of the total steps)")
     need(args.neftune_noise_alpha is None or args.neftune_noise_alpha >= 0, "neftune_noise_alpha", "must be >= 0")
-    need(args.eval_accumulation_steps is None or args.eval_accumulation_steps >= 1, "eval_accumulation_steps",
-         "must be >= 1, or unset")
     need(args.save_total_limit is None or args.save_total_limit >= 1, "save_total_limit",
          "must be >= 1, or unset to keep every checkpoint")
     need(0 <= args.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's seed range)")
@@ -128,6 +126,7 @@ def validate(args: Any) -> None:
         isinstance(n, str) and n for n in args.label_names)), "label_names", "must be a list of batch keys")
     _validate_scheduler_kwargs(args, need)
     _validate_loaders(args, need)
+    _validate_evaluation(args, need)
     _validate_best_model(args, need)
     _validate_ddp(args, need)
     _validate_flags(args, need)
@@ -155,6 +154,12 @@ def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]
     if args.lr_scheduler_type == "polynomial":  # as Transformers: it decays from learning_rate down to lr_end
         need(kwargs.get("lr_end", 1e-7) < args.learning_rate, "lr_scheduler_kwargs",
              f"lr_end ({kwargs.get('lr_end', 1e-7)}) must be below learning_rate ({args.learning_rate})")
+
+
+def _validate_evaluation(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    need(set(args.include_for_metrics) <= {"inputs", "loss"}, "include_for_metrics", "takes inputs and loss only")
+    need(args.eval_accumulation_steps is None or args.eval_accumulation_steps >= 1, "eval_accumulation_steps",
+         "must be >= 1, or unset")
 
 
 def _validate_loaders(args: Any, need: Callable[[bool, str, str], None]) -> None:
