@@ -49,8 +49,15 @@ def other_samplers_world(world, out):
     def loader(samples, sampler=None):
         return torch.utils.data.DataLoader(samples, batch_size=2, sampler=sampler, collate_fn=default_data_collator)
 
+    class Stream(torch.utils.data.IterableDataset):  # its loader's sampler never ends: checking must not hang
+        def __init__(self, samples):
+            self.samples = samples
+
+        def __iter__(self):
+            return iter(self.samples)
+
     told = {}
-    for name, make in (("whole", lambda samples: loader(samples)),
+    for name, make in (("whole", lambda samples: loader(samples)), ("stream", lambda samples: loader(Stream(samples))),
                        ("torch's", lambda samples: loader(samples, torch.utils.data.DistributedSampler(
                            samples, shuffle=False)))):
         class Other(Trainer):
@@ -69,6 +76,7 @@ def other_samplers_world(world, out):
 def test_an_override_that_gives_a_rank_other_samples_fails_on_every_rank(tmp_path):
     for told in run_world(other_samplers_world, 2, args=(str(tmp_path),), deadline_s=60):
         assert "rank 0 predicted 8 samples, not the 4 ddpkit dealt it" in (told["whole"] or ""), told
+        assert "rank 0 predicted 8 samples, not the 4 ddpkit dealt it" in (told["stream"] or ""), told
         assert "rank 0 predicted 4 samples, not the 4 ddpkit dealt it in their order" in (told["torch's"] or ""), told
         assert all("keep super()'s sampler" in text for text in told.values())
 

@@ -146,9 +146,9 @@ def _one_tensor(logits: Any, maker: str) -> torch.Tensor:
 def reads(loader: Any, indices: list[int]) -> bool:
     """Whether `loader` reads exactly `indices`, in order (its sampler's; a loader without one cannot say)."""
     sampler = getattr(loader, "sampler", None)
-    try:
-        return sampler is not None and [int(i) for i in sampler] == list(indices)
-    except TypeError:  # not iterable, or not indices
+    try:  # the length first: an iterable dataset's loader has an endless sampler
+        return sampler is not None and len(sampler) == len(indices) and [int(i) for i in sampler] == list(indices)
+    except TypeError:  # no length, not iterable, or not indices
         return False
 
 
