@@ -128,3 +128,22 @@ def test_include_for_metrics_gives_inputs_and_losses_as_transformers_does(tmp_pa
     for rank in run_world(include_world, 2, args=(str(tmp_path / "two"),), deadline_s=60):
         np.testing.assert_array_equal(rank[0], inputs)
         np.testing.assert_array_equal(rank[1], losses)
+
+
+def test_each_batch_is_prepared_once_as_in_transformers(tmp_path, local_world):
+    """prediction_step prepares the batch it is given, and evaluate/predict give it the loader's: a subclass's
+    _prepare_inputs (a common override) runs once a batch, as in Transformers' evaluation loop."""
+    class Doubling(Trainer):
+        calls = 0
+
+        def _prepare_inputs(self, batch):
+            type(self).calls += 1
+            return {**super()._prepare_inputs(batch), "x": batch["x"] * 2}
+
+    torch.manual_seed(0)
+    trainer = Doubling(Classifier().double(), trainer_args(tmp_path, per_device_eval_batch_size=2))
+    found = trainer.predict(classification_data(5))
+    assert Doubling.calls == 3  # 3 batches
+    with torch.no_grad():
+        want = trainer.model.eval()(torch.stack([s["x"] for s in classification_data(5)]) * 2)["logits"]
+    np.testing.assert_allclose(found.predictions, want.numpy(), rtol=1e-12)

@@ -143,13 +143,19 @@ def _one_tensor(logits: Any, maker: str) -> torch.Tensor:
     return logits
 
 
-def reads(loader: Any, indices: list[int]) -> bool:
-    """Whether `loader` reads exactly `indices`, in order (its sampler's; a loader without one cannot say)."""
-    sampler = getattr(loader, "sampler", None)
-    try:  # the length first: an iterable dataset's loader has an endless sampler
-        return sampler is not None and len(sampler) == len(indices) and [int(i) for i in sampler] == list(indices)
-    except TypeError:  # no length, not iterable, or not indices
-        return False
+def reads(loader: Any, dataset: Any, indices: list[int]) -> bool:
+    """Whether `loader` reads `indices` of `dataset`, in order, as far as it tells: a loader of `dataset` whose
+    batch sampler (or sampler) yields other indices does not; one of another dataset (a Subset), without a
+    sampler (a wrapper) or with one that cannot be read twice or has no length is taken at its word."""
+    if getattr(loader, "dataset", None) is not dataset:
+        return True
+    batches, sampler = getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)
+    try:  # the length first: an endless sampler is no list to compare
+        if batches is not None:
+            return len(batches) >= 0 and [int(i) for batch in batches for i in batch] == list(indices)
+        return sampler is None or len(sampler) == len(indices) and [int(i) for i in sampler] == list(indices)
+    except (TypeError, ValueError):  # no length, or not indices: it cannot tell
+        return True
 
 
 def over_ranks(comm: Comm, part: Part, indices: list[int], prefix: str,
@@ -247,9 +253,10 @@ def _check_shards(shards: list[tuple]) -> None:
     counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
     for rank, ((indices, _, _, dealt, *_), (predictions, _)) in enumerate(zip(shards, counts)):
         if predictions != len(indices) or not dealt:
-            raise ValueError(f"rank {rank} predicted {predictions} samples, not the {len(indices)} ddpkit dealt it in "
-                             "their order: an overridden get_eval_dataloader or get_test_dataloader must keep "
-                             "super()'s sampler (every sample once over the ranks, in dataset order)")
+            read = f"predicted {predictions} samples, not" if predictions != len(indices) else "read other samples than"
+            raise ValueError(f"rank {rank} {read} the {len(indices)} ddpkit dealt it, in their order: an overridden "
+                             "get_eval_dataloader or get_test_dataloader must keep super()'s sampler (every sample "
+                             "once over the ranks, in dataset order)")
     if any(labels for _, labels in counts) and any(labels != predictions for predictions, labels in counts):
         raise ValueError("some batches of the dataset have labels and some do not: give every sample its labels "
                          "(for a loss and compute_metrics) or none (predictions only)")

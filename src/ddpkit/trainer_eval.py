@@ -76,12 +76,12 @@ class EvaluationMixin:
         """Every sample once over the ranks, the model in eval mode: this rank's part, its samples, the start.
         Each batch goes through prediction_step, as in Transformers' evaluation loop."""
         def forward(batch: Any) -> evaluation.ForwardResult:
-            inputs = self._prepare_inputs(batch)
-            loss, logits, labels = self.prediction_step(self.model, inputs, not want_predictions, ignore_keys)
+            # The batch as it came: prediction_step prepares it (once), as Transformers' evaluation loop has it.
+            loss, logits, labels = self.prediction_step(self.model, batch, not want_predictions, ignore_keys)
             self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-            main = inputs.get(getattr(self.model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) \
+            main = batch.get(getattr(self.model, "main_input_name", "input_ids")) if isinstance(batch, Mapping) \
                 else None  # include_for_metrics "inputs": the model's main input, as Transformers takes it
-            return loss, logits, labels, model_io.batch_len(inputs), main
+            return loss, logits, labels, model_io.batch_len(batch), main
 
         self._unnamed_labels = unnamed_labels
         if dataset is None or len(dataset) == 0:
@@ -94,7 +94,7 @@ class EvaluationMixin:
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
                                          self.args.include_for_metrics)
-        part.dealt = evaluation.reads(loader, mine)  # checked on every rank where predictions are gathered
+        part.dealt = evaluation.reads(loader, dataset, mine)  # checked on every rank where predictions are gathered
         return part, mine, start
 
     def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
@@ -114,7 +114,7 @@ class EvaluationMixin:
         through compute_loss in evaluate, whose loss must be there, as in training (a model that forgot to return
         it fails, rather than evaluating without a loss), in predict only through the model. The logits are the
         output's "logits" (model_io.logits_of), so the other keys (ignore_keys') never enter them."""
-        inputs = self._prepare_inputs(inputs)  # as Transformers': a direct call may pass the CPU's batch
+        inputs = self._prepare_inputs(inputs)  # as Transformers': evaluate and predict pass the batch as it came
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
         with torch.no_grad(), self.precision.autocast():
