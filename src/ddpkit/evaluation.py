@@ -2,7 +2,7 @@
 compute_metrics gathered back into dataset order.
 
     indices = shard(len(dataset), world.rank, world.world_size, batch_size)
-    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, logits, labels, samples)
+    part = accumulate(batches, forward, want_predictions=True)     # forward(batch) -> (loss, logits, labels, ...)
     metrics = over_ranks(comm, part, indices, "eval", compute_metrics, world.device)   # no eval_loss without labels
 
 Which keys of a batch are its labels is Transformers' rule: `label_names`, by default the model's forward

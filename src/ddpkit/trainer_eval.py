@@ -103,8 +103,9 @@ class EvaluationMixin:
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
-        """Transformers': one batch's (loss, logits, labels), `inputs` on the device; the logits (and labels) None
-        with prediction_loss_only (evaluate without compute_metrics). evaluate and predict call it on every batch:
+        """Transformers': one batch's (loss, logits, labels), `inputs` as the loader gave them (moved to the device
+        here); the logits (and labels) None with prediction_loss_only (evaluate without compute_metrics). evaluate
+        and predict call it on every batch:
         a subclass may predict otherwise (its logits one tensor a batch, which ddpkit gathers). As Transformers 5's,
         the labels are the batch's label_names (all of them, or none); a batch that has them (or whose model
         returns its loss without them: CLIP's) goes through compute_loss, a mapping without them only through the
