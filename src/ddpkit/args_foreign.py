@@ -38,7 +38,7 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "ddp_static_graph": (None, "ddpkit's DistributedDataParallel finds each backward's parameters itself; to "
                                "declare the graph static, build it with static_graph=True"),
     "eval_delay": (0, _EVAL), "eval_do_concat_batches": (True, _EVAL),
-    "eval_use_gather_object": (False, _EVAL), "batch_eval_metrics": (False, _EVAL), 
+    "eval_use_gather_object": (False, _EVAL), "batch_eval_metrics": (False, _EVAL),
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "dataloader_multiprocessing_context": (None, _LOADER), "dataloader_in_order": (True, _LOADER),

@@ -81,7 +81,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
                  optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
                  preprocess_logits_for_metrics: Callable | None = None):
-        # Transformers' arguments, in its order (data_collator third); model_init is called once, here, after the seed
+        # Transformers' arguments, in its order (data_collator third); model_init's model: here, after the seed, and
+        # anew at every train() call (as Transformers' train() makes it)
         self.args = args = trainer_arguments(args)
         check_collator(data_collator)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
