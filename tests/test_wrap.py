@@ -5,6 +5,7 @@ inductor run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -141,3 +142,36 @@ def test_ddp_broadcast_buffers_false_keeps_rank_local_buffers_at_wrapping_as_tra
     zero, one = run_world(buffers_at_wrapping, 2, deadline_s=90)
     assert zero == {"default": (0.0, []), "gradient checkpointing": (0.0, []), "False": (0.0, [])}
     assert one == {"default": (0.0, []), "gradient checkpointing": (1.0, []), "False": (1.0, [])}
+
+
+def test_gradient_checkpointing_kwargs_reach_the_model_and_train_alike(tmp_path, local_world):
+    """Transformers' gradient_checkpointing_kwargs ('{"use_reentrant": false}' on the command line) go to
+    model.gradient_checkpointing_enable, as Transformers passes them; recomputing trains the same weights."""
+    import transformers
+
+    from ddpkit.args_cli import ArgumentParser
+    from ddpkit.trainer import Trainer
+
+    def gpt2():
+        config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+    ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args, = ArgumentParser().parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "kw"), "--gradient_checkpointing", "--gradient_checkpointing_kwargs",
+         '{"use_reentrant": false}', "--max_steps", "2", "--per_device_train_batch_size", "4", "--save_strategy",
+         "no", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"])
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    checkpointed = Trainer(gpt2(), args, train_dataset=data)
+    funcs = {m._gradient_checkpointing_func.keywords.get("use_reentrant") for m in checkpointed.model.modules()
+             if getattr(m, "gradient_checkpointing", False)}
+    assert funcs == {False}
+    checkpointed.train()
+    plain = Trainer(gpt2(), dataclasses.replace(args, output_dir=str(tmp_path / "plain"), gradient_checkpointing=False,
+                                                gradient_checkpointing_kwargs=None), train_dataset=data)
+    plain.train()
+    for a, b in zip(checkpointed.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

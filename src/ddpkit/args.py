@@ -128,6 +128,8 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
                                                 "a uniform target's cross-entropy over the vocabulary or classes.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory "
                                                  "(calls model.gradient_checkpointing_enable()).")
+    gradient_checkpointing_kwargs: dict | str | None = _field(None, "Its keyword arguments, a dict (JSON on the "
+                                                                    "command line): '{\"use_reentrant\": false}'.")
     restore_callback_states_from_checkpoint: bool = _field(False, "On resume, give the callbacks that export "
                                                                   "a state (state()) what they saved.")
     resume_from_checkpoint: str | None = _field(None, "Checkpoint folder to resume from; 'true': the newest in "
@@ -171,8 +173,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
             self.report_to = ["none"]
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "latest"):
             self.resume_from_checkpoint = True  # type: ignore[assignment]  # the newest in output_dir
-        if isinstance(self.lr_scheduler_kwargs, str):  # from the command line: JSON, as Transformers reads it
-            self.lr_scheduler_kwargs = _json_dict("lr_scheduler_kwargs", self.lr_scheduler_kwargs)
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # from the command line: JSON, as there
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, _json_dict(name, getattr(self, name)))
         if isinstance(self.label_names, str):
             self.label_names = [self.label_names]
         if self.eval_steps is None:

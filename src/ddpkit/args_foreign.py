@@ -44,8 +44,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "dataloader_multiprocessing_context": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
     "length_column_name": ("length", "ddpkit's DistributedSampler shuffles each epoch (data_seed)"),
     "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
-    "gradient_checkpointing_kwargs": (None, "gradient_checkpointing=True calls model.gradient_checkpointing_enable() "
-                                            "with its defaults; call it yourself for other arguments"),
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing"),
     "full_determinism": (False, "ddpkit seeds every rank (seed, data_seed); set torch.use_deterministic_algorithms "

@@ -25,12 +25,16 @@ from .ddp import DistributedDataParallel
 from .env import DistEnv
 
 
-def apply_gradient_checkpointing(model: nn.Module) -> None:
+def apply_gradient_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """model.gradient_checkpointing_enable(), with gradient_checkpointing_kwargs where given (Transformers')."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise ArgumentError("gradient_checkpointing", f"{type(model).__name__} has no gradient_checkpointing_enable()"
                                                       "; add one (torch.utils.checkpoint) or drop the flag")
-    enable()
+    if kwargs is None:
+        enable()
+    else:  # Transformers' keyword (a model of one's own that takes no arguments cannot be given them)
+        enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> DistributedDataParallel:
@@ -95,7 +99,7 @@ def prepare_model(model: nn.Module, args: TrainingArguments, world: DistEnv) -> 
         raise ArgumentError("torch_compile", "the model is compiled already (torch.compile); pass the plain module "
                                              "with torch_compile, or the compiled one without it")
     if args.gradient_checkpointing:
-        apply_gradient_checkpointing(_plain(model))
+        apply_gradient_checkpointing(_plain(model), args.gradient_checkpointing_kwargs)
     model = model.to(world.device)
     wrapped = apply_ddp(model, args, world) if world.world_size > 1 else model
     if args.torch_compile:
