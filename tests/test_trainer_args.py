@@ -97,3 +97,27 @@ def test_save_only_model_checkpoints_hold_no_rng_state(tmp_path, local_world):
     assert sorted(os.listdir(tmp_path / "checkpoint-2")) == [
         "checkpoint_complete.json", "ddpkit_state.json", "model.safetensors", "sampler_state.json",
         "trainer_state.json"]
+
+
+def static_graph_world(world, out):
+    from ddpkit.wrap import ddp_of
+
+    trainer = run(out, max_steps=2, ddp_static_graph=True, ddp_find_unused_parameters=False)
+    return ddp_of(trainer.model_wrapped).static_graph, trainer.state.global_step
+
+
+def test_ddp_static_graph_reaches_the_wrapper_and_empty_cache_steps_empties_it(tmp_path, local_world, monkeypatch):
+    """Transformers' ddp_static_graph is DDP's static_graph (2 ranks); torch_empty_cache_steps empties the
+    accelerator's cache every N optimizer steps (counted here: a CPU has none to empty)."""
+    from conftest import run_world
+
+    from ddpkit import step
+
+    emptied = []
+    monkeypatch.setattr(step, "empty_device_cache", lambda device: emptied.append(device.type))
+    run(tmp_path / "cache", max_steps=6, torch_empty_cache_steps=2)
+    assert emptied == ["cpu"] * 3
+    import ddpkit
+
+    ddpkit.destroy_process_group()
+    assert run_world(static_graph_world, 2, args=(str(tmp_path / "static"),), deadline_s=60) == [(True, 2)] * 2

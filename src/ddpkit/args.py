@@ -142,6 +142,10 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     ddp_find_unused_parameters: bool | None = _field(None, "DDP find_unused_parameters; default: False with "
                                                            "gradient checkpointing, True otherwise.")
     ddp_bucket_cap_mb: int | None = _field(None, "DDP gradient bucket size in MiB; default: DDP's own (25).")
+    ddp_static_graph: bool | None = _field(None, "DDP static_graph, as torch's; ddpkit's DDP handles unused parameters "
+                                                 "and reentrant checkpointing on any graph either way.")
+    torch_empty_cache_steps: int | None = _field(None, "Empty the accelerator's memory cache every N optimizer steps "
+                                                       "(lower peak memory, slower steps).")
     ddp_broadcast_buffers: bool | None = _field(None, "DDP broadcast_buffers; default: False with gradient "
                                                       "checkpointing, True otherwise.")
     # ddpkit's own, not in Transformers:

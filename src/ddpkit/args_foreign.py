@@ -35,8 +35,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "skip_memory_metrics": (True, "ddpkit reports no memory metrics"),
     "average_tokens_across_devices": (True, "ddpkit always divides the loss by the items of every rank's batches "
                                             "(the loss one process would compute over the global batch)"),
-    "ddp_static_graph": (None, "ddpkit's DistributedDataParallel finds each backward's parameters itself; to "
-                               "declare the graph static, build it with static_graph=True"),
     "eval_delay": (0, _EVAL), "eval_do_concat_batches": (True, _EVAL),
     "eval_use_gather_object": (False, _EVAL), "batch_eval_metrics": (False, _EVAL),
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
@@ -52,7 +50,7 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "debug": ("", "ddpkit explains a stalled collective itself (ddp_stall_seconds)"),
     **{name: (default, _NOT_YET) for name, default in (
         ("use_liger_kernel", False),
-        ("liger_kernel_config", None), ("torch_empty_cache_steps", None),
+        ("liger_kernel_config", None),
         ("auto_find_batch_size", False), ("optim_target_modules", None), ("enable_jit_checkpoint", False),
         ("use_cache", False))},
 }

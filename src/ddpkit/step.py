@@ -84,4 +84,12 @@ def floating_point_ops(model: nn.Module, inputs: Any) -> int:
     return 6 * tokens.numel() * model.num_parameters(exclude_embeddings=True)
 
 
-__all__ = ["accumulate", "counts_flos", "floating_point_ops", "optimizer_step", "wait_for_params"]
+def empty_device_cache(device: torch.device) -> None:
+    """torch_empty_cache_steps: hand the accelerator's cached, unused memory back (nothing on the CPU)."""
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    empty = getattr(backend, "empty_cache", None)
+    if callable(empty):
+        empty()
+
+
+__all__ = ["accumulate", "counts_flos", "empty_device_cache", "floating_point_ops", "optimizer_step", "wait_for_params"]

@@ -297,6 +297,9 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                                         self.args.max_grad_norm, self.precision, self._fire)
         if self._counts_flos:  # this rank's own batches: a filler batch (weight zero) trains nothing
             self.current_flos += sum(float(self.floating_point_ops(batch)) for batch in window.batches)
+        every = self.args.torch_empty_cache_steps
+        if every and (self.state.global_step + 1) % every == 0:  # the step this window makes (as Transformers')
+            step.empty_device_cache(self.world.device)
         return share, grad_norm
 
     def _filler(self) -> Any:

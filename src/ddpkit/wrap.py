@@ -42,12 +42,13 @@ def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> Dist
     buffers out at construction (forward_sync_buffers=False would not), without torch 2.13's deprecation warning,
     which is for callers of the wrapper, not for a Trainer's user."""
     cuda = world.device.type == "cuda"
+    static_graph = {} if args.ddp_static_graph is None else {"static_graph": args.ddp_static_graph}  # Transformers'
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "broadcast_buffers is deprecated", FutureWarning)
         return DistributedDataParallel(model, device_ids=[world.device.index] if cuda else None,
                                        find_unused_parameters=args.find_unused_parameters,
                                        broadcast_buffers=args.broadcast_buffers, bucket_cap_mb=args.ddp_bucket_cap_mb,
-                                       **zero_ddp_kwargs(args.ddp_zero_stage))
+                                       **zero_ddp_kwargs(args.ddp_zero_stage), **static_graph)
 
 
 def apply_compile(wrapped: nn.Module, args: TrainingArguments) -> nn.Module:
