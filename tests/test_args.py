@@ -225,9 +225,8 @@ def test_args_module_imports_only_the_rank_question_of_env():
 
     def local_imports(mod):
         with open(mod.__file__, encoding="utf-8") as f:
-            source = f.read()
-        return [line.strip() for line in source.splitlines() if "from ." in line or "ddpkit" in line.split("#")[0]
-                and line.lstrip().startswith(("import", "from"))]
+            return [line.strip() for line in f.read().splitlines() if "from ." in line or "ddpkit" in
+                    line.split("#")[0] and line.lstrip().startswith(("import", "from"))]
 
     # They reach the launcher's variables (env.py, the lowest layer) in two ways only: through args_process (the
     # process facts a script reads off the arguments), and to show a command-line error once, not once per rank.
