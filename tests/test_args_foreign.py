@@ -31,7 +31,7 @@ def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_ref
     for kwargs, hint in ((dict(fsdp="full_shard"), "ddp_zero_stage=1 or 2"),
                          (dict(use_liger_kernel=True), "does not implement it"),
                          (dict(average_tokens_across_devices=False), "items of every rank's batches"),
-                         (dict(ddp_static_graph=True), "static_graph=True")):
+                         (dict(tf32=True), "allow_tf32 yourself")):
         with pytest.raises(ForeignArgument, match=hint) as caught:
             TrainingArguments(output_dir=str(tmp_path), **kwargs)
         # A TypeError, as an unknown keyword is, and ddpkit's ArgumentError naming the field.

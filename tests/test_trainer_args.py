@@ -117,6 +117,11 @@ def test_ddp_static_graph_reaches_the_wrapper_and_empty_cache_steps_empties_it(t
     monkeypatch.setattr(step, "empty_device_cache", lambda device: emptied.append(device.type))
     run(tmp_path / "cache", max_steps=6, torch_empty_cache_steps=2)
     assert emptied == ["cpu"] * 3
+    from ddpkit.args import ArgumentError, TrainingArguments
+
+    for bad in (0, 2.5):
+        with pytest.raises(ArgumentError, match="torch_empty_cache_steps: must be a whole number of steps >= 1"):
+            TrainingArguments(output_dir=str(tmp_path), torch_empty_cache_steps=bad)
     import ddpkit
 
     ddpkit.destroy_process_group()

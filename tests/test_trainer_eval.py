@@ -6,6 +6,7 @@ sample's row comes back once, in dataset order."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import Classifier, classification_data, run_world, trainer_args
@@ -124,6 +125,12 @@ def test_include_for_metrics_gives_inputs_and_losses_as_transformers_does(tmp_pa
     assert same and inputs.shape == theirs[0][0].shape and losses.shape == (7,)
     np.testing.assert_array_equal(inputs, theirs[0][0])
     np.testing.assert_allclose(losses, theirs[0][1], rtol=1e-6)
+    # one name as a string, as Transformers reads it; a batch without the model's main input: Transformers' KeyError
+    assert trainer_args(tmp_path, include_for_metrics="loss").include_for_metrics == ["loss"]
+    plain = Trainer(Classifier().double(), trainer_args(tmp_path / "x", include_for_metrics=["inputs"]),
+                    compute_metrics=lambda p: {})
+    with pytest.raises(KeyError, match="'input_ids' \\(the model's main_input_name\\)"):
+        plain.evaluate(classification_data(4))
     ddpkit.destroy_process_group()
     for rank in run_world(include_world, 2, args=(str(tmp_path / "two"),), deadline_s=60):
         np.testing.assert_array_equal(rank[0], inputs)

@@ -175,3 +175,13 @@ def test_gradient_checkpointing_kwargs_reach_the_model_and_train_alike(tmp_path,
     plain.train()
     for a, b in zip(checkpointed.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+    def checkpointing(kwargs):  # which blocks recompute, with what checkpoint keywords (Transformers 5's rules)
+        made = Trainer(gpt2(), dataclasses.replace(args, output_dir=str(tmp_path / "layers"),
+                                                   gradient_checkpointing_kwargs=kwargs))
+        return [(i, block._gradient_checkpointing_func.keywords) for i, block in enumerate(made.model.transformer.h)
+                if block.gradient_checkpointing]
+
+    # every_n_layers picks the blocks and never reaches torch.utils.checkpoint (it raised there); {} is None
+    assert checkpointing({"every_n_layers": 2, "use_reentrant": False}) == [(0, {"use_reentrant": False})]
+    assert checkpointing({}) == checkpointing(None)

@@ -180,8 +180,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # from the command line: JSON, as there
             if isinstance(getattr(self, name), str):
                 setattr(self, name, _json_dict(name, getattr(self, name)))
-        if isinstance(self.label_names, str):
-            self.label_names = [self.label_names]
+        for name in ("label_names", "include_for_metrics"):  # one name, as a list of one
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
         if self.load_best_model_at_end and self.metric_for_best_model is None:
@@ -259,7 +260,7 @@ def _json_dict(name: str, text: str) -> dict[str, Any]:
     try:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
-        raise ArgumentError(name, f"must be a JSON object such as '{{\"power\": 2.0}}' ({exc.msg}; got "
+        raise ArgumentError(name, f"must be a JSON object such as '{{\"key\": 2.0}}' ({exc.msg}; got "
                                   f"{text!r})") from None
     if not isinstance(value, dict):
         raise ArgumentError(name, f"must be a JSON object (a dict), got {text!r}")

@@ -79,8 +79,7 @@ class EvaluationMixin:
             # The batch as it came: prediction_step prepares it (once), as Transformers' evaluation loop has it.
             loss, logits, labels = self.prediction_step(self.model, batch, not want_predictions, ignore_keys)
             self._fire("on_prediction_step")  # after the batch, outside its no_grad and autocast (as Transformers)
-            main = batch.get(getattr(self.model, "main_input_name", "input_ids")) if isinstance(batch, Mapping) \
-                else None  # include_for_metrics "inputs": the model's main input, as Transformers takes it
+            main = _main_input(batch, self.model) if "inputs" in self.args.include_for_metrics else None
             return loss, logits, labels, model_io.batch_len(batch), main
 
         self._unnamed_labels = unnamed_labels
@@ -196,6 +195,17 @@ class EvaluationMixin:
         if save:
             self.timeline.timed(CHECKPOINT, "checkpoint", self._save_checkpoint, sampler)
             self._agreement.settle(self.control, f"after the save of step {step}")  # what on_save asked
+
+
+def _main_input(batch: Any, model: nn.Module) -> Any:
+    """include_for_metrics "inputs": the batch's model.main_input_name (input_ids by default), as Transformers
+    takes it; a KeyError there too where the batch has none."""
+    name = getattr(model, "main_input_name", "input_ids")
+    if not isinstance(batch, Mapping) or name not in batch:
+        raise KeyError(f"include_for_metrics 'inputs' gives compute_metrics each batch's {name!r} (the model's "
+                       f"main_input_name), which this batch has not; set main_input_name on the model, or leave "
+                       "'inputs' out")
+    return batch[name]
 
 
 def _check_ignore_keys(ignore_keys: list[str] | None) -> None:

@@ -263,6 +263,9 @@ def _validate_flags(args: Any, need: Callable[[bool, str, str], None]) -> None:
     need(args.include_num_input_tokens_seen in ("no", "all", "non_padding"), "include_num_input_tokens_seen",
          "must be no, all or non_padding (or a bool: True is all)")
     need(0 <= args.label_smoothing_factor < 1, "label_smoothing_factor", "must be >= 0 (0: none) and below 1")
+    need(args.torch_empty_cache_steps is None or (float(args.torch_empty_cache_steps).is_integer() and
+                                                  args.torch_empty_cache_steps >= 1), "torch_empty_cache_steps",
+         "must be a whole number of steps >= 1, or unset")
     options = parse_optim_args(args.optim_args, args.optim)
     need(not options.get("nesterov") or (options.get("momentum", 0) > 0 and options.get("dampening", 0) == 0),
          "optim_args", "nesterov=true needs momentum > 0 and dampening=0 (torch.optim.SGD's rule)")

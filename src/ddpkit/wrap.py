@@ -26,15 +26,24 @@ from .env import DistEnv
 
 
 def apply_gradient_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
-    """model.gradient_checkpointing_enable(), with gradient_checkpointing_kwargs where given (Transformers')."""
+    """Activation checkpointing as Transformers 5 asks a model for it: every_n_layers and offload out of
+    gradient_checkpointing_kwargs, the rest (or None for an empty dict) for torch.utils.checkpoint, given to
+    activation_checkpointing_enable, else to gradient_checkpointing_enable (its older name; a model of one's own
+    whose method takes no arguments gets none where none were set)."""
+    rest = dict(kwargs or {})
+    layers = {name: rest.pop(name) for name in ("every_n_layers", "offload") if name in rest}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=rest or None, **layers)
+        return
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise ArgumentError("gradient_checkpointing", f"{type(model).__name__} has no gradient_checkpointing_enable()"
                                                       "; add one (torch.utils.checkpoint) or drop the flag")
     if kwargs is None:
         enable()
-    else:  # Transformers' keyword (a model of one's own that takes no arguments cannot be given them)
-        enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        enable(gradient_checkpointing_kwargs=rest or None, **layers)
 
 
 def apply_ddp(model: nn.Module, args: TrainingArguments, world: DistEnv) -> DistributedDataParallel:
