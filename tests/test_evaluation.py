@@ -197,26 +197,6 @@ def test_eval_loss_is_transformers_on_any_world_size(tmp_path):
     assert two[0] == pytest.approx(two[1], rel=1e-12) and two[0] == pytest.approx(theirs, rel=1e-6)
 
 
-def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world):
-    """As Transformers: eval_<name>_loss per set, in training's evaluations and in evaluate(); ignore_keys taken."""
-    torch.manual_seed(0)
-    sets = {"a": classification_data(4, seed=1), "b": classification_data(5, seed=2)}
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
-                      train_dataset=classification_data(8), eval_dataset=sets)
-    trainer.train()
-    logged = [sorted(k for k in e if k.endswith("_loss")) for e in trainer.state.log_history if "eval_a_loss" in e
-              or "eval_b_loss" in e]
-    assert logged == [["eval_a_loss"], ["eval_b_loss"]] * 2  # steps 1 and 2; none again at the end
-    metrics = trainer.evaluate(ignore_keys=["hidden"])
-    assert metrics["eval_a_loss"] == trainer.evaluate(sets["a"])["eval_loss"] and "eval_b_runtime" in metrics
-    assert sorted(trainer.evaluate({"c": sets["b"]}, metric_key_prefix="x")) == [
-        "epoch", "x_c_loss", "x_c_runtime", "x_c_samples_per_second", "x_c_steps_per_second"]
-    assert trainer.predict(sets["a"], ignore_keys=["hidden"]).predictions.shape == (4, 3)
-    assert trainer.evaluate("b")["eval_loss"] == metrics["eval_b_loss"]  # a set by its name, under the prefix given
-    with pytest.raises(KeyError, match=r"it has \['a', 'b'\]"):
-        trainer.evaluate("c")
-
-
 def test_label_names_are_the_labels_of_predict_and_compute_metrics_as_in_transformers(tmp_path, local_world):
     """Transformers 5 takes a batch's labels from label_names (by default its forward's parameters named for
     labels): label_ids, and the loss of predict, for a batch that holds them all. ddpkit read "labels" only:

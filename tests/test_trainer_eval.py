@@ -1,7 +1,8 @@
-"""ddpkit.trainer_eval: evaluate and predict run every batch through prediction_step, Transformers' seam for a
-subclass that predicts otherwise (ddpkit had none, and an override was silently never called). Here one appends
-the labels to the logits: Transformers' Trainer and ddpkit's give the same predictions, and on 2 ranks every
-sample's row comes back once, in dataset order."""
+"""ddpkit.trainer_eval: evaluate and predict as Transformers' Trainer runs them. Every batch goes through
+prediction_step, Transformers' seam for a subclass that predicts otherwise (ddpkit had none, and an override was
+silently never called): one that appends the labels to the logits gives Transformers' predictions, and on 2 ranks
+every sample's row comes back once, in dataset order. Also prediction_loss_only, include_for_metrics, each batch
+prepared once, and a dict of evaluation sets (or one of them by name)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,23 @@ def test_each_batch_is_prepared_once_as_in_transformers(tmp_path, local_world):
     with torch.no_grad():
         want = trainer.model.eval()(torch.stack([s["x"] for s in classification_data(5)]) * 2)["logits"]
     np.testing.assert_allclose(found.predictions, want.numpy(), rtol=1e-12)
+
+
+def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world):
+    """As Transformers: eval_<name>_loss per set, in training's evaluations and in evaluate(); ignore_keys taken."""
+    torch.manual_seed(0)
+    sets = {"a": classification_data(4, seed=1), "b": classification_data(5, seed=2)}
+    trainer = Trainer(Classifier().double(), trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
+                      train_dataset=classification_data(8), eval_dataset=sets)
+    trainer.train()
+    logged = [sorted(k for k in e if k.endswith("_loss")) for e in trainer.state.log_history if "eval_a_loss" in e
+              or "eval_b_loss" in e]
+    assert logged == [["eval_a_loss"], ["eval_b_loss"]] * 2  # steps 1 and 2; none again at the end
+    metrics = trainer.evaluate(ignore_keys=["hidden"])
+    assert metrics["eval_a_loss"] == trainer.evaluate(sets["a"])["eval_loss"] and "eval_b_runtime" in metrics
+    assert sorted(trainer.evaluate({"c": sets["b"]}, metric_key_prefix="x")) == [
+        "epoch", "x_c_loss", "x_c_runtime", "x_c_samples_per_second", "x_c_steps_per_second"]
+    assert trainer.predict(sets["a"], ignore_keys=["hidden"]).predictions.shape == (4, 3)
+    assert trainer.evaluate("b")["eval_loss"] == metrics["eval_b_loss"]  # a set by its name, under the prefix given
+    with pytest.raises(KeyError, match=r"it has \['a', 'b'\]"):
+        trainer.evaluate("c")
