@@ -51,6 +51,11 @@ class TrainerControl:
     def should_stop(self, value: bool) -> None:
         self.should_training_stop = bool(value)
 
+    def state(self) -> dict[str, Any]:
+        """Transformers' ExportableState: the switches as they stand, under "args"."""
+        names = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+        return {"args": {name: bool(getattr(self, name)) for name in names}, "attributes": {}}
+
     def _new_training(self) -> None:
         self.should_training_stop = False
 
@@ -115,11 +120,12 @@ class CallbackHandler:
     def remove_callback(self, callback: Any) -> None:
         self.pop_callback(callback)
 
-    def export_states(self) -> dict[str, Any]:
+    def export_states(self, control: TrainerControl | None = None) -> dict[str, Any]:
         """What the callbacks with a `state()` (Transformers' ExportableState) export, by class name: a list when
-        several share a class. Saved in trainer_state.json's stateful_callbacks."""
+        several share a class; and the control's, as Transformers saves it (written, not restored: every train()
+        call starts with its switches off). Saved in trainer_state.json's stateful_callbacks."""
         states: dict[str, list[Any]] = {}
-        for callback in self.callbacks:
+        for callback in [*self.callbacks, *([] if control is None else [control])]:
             if callable(getattr(callback, "state", None)):
                 states.setdefault(type(callback).__name__, []).append(callback.state())
         return {name: found[0] if len(found) == 1 else found for name, found in states.items()}

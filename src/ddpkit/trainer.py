@@ -29,6 +29,7 @@ remove_unused_columns (collator.py), the shapes of batches and outputs (model_io
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -319,7 +320,9 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self._loss.settle_now(self.comm, self.world, "loss before a checkpoint")
         self._loss.save_into(self.state)
         self.store_flos()
-        self.state.stateful_callbacks = self.callback_handler.export_states()
+        # The control as Transformers saves it, mid-save: should_save still set (ddpkit clears it before saving)
+        saving = dataclasses.replace(self.control, should_save=True)
+        self.state.stateful_callbacks = self.callback_handler.export_states(saving)
         # save_only_model: weights and progress, no optimizer; but a stop's checkpoint is only there to resume from
         whole = self.state.should_stop or not self.args.save_only_model
         folder = self.saves.save(self.state, model=self.model, optimizer=self.optimizer if whole else None,
