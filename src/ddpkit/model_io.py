@@ -114,7 +114,7 @@ def count_tokens(batch: Any, model: nn.Module, how: str, pad_token_id: int | Non
     """The input tokens of a batch, as Transformers' include_num_input_tokens_seen counts them: the elements of the
     model's main input ("all"), or those the attention mask keeps ("non_padding"; else those that are not
     `pad_token_id`, else all); 0 for "no" or a batch without that input."""
-    main = batch.get(getattr(unwrapped(model), "main_input_name", "input_ids")) if isinstance(batch, Mapping) else None
+    main = batch.get(main_input_name(model)) if isinstance(batch, Mapping) else None
     if how == "no" or not isinstance(main, torch.Tensor):
         return 0
     mask = batch.get("attention_mask")
@@ -164,6 +164,11 @@ def count_items(batch: Any, shifted: bool = False) -> int:
     elif shifted:
         labels = labels[..., 1:]
     return int((labels != IGNORE_INDEX).sum())
+
+
+def main_input_name(model: nn.Module) -> str:
+    """The batch key of the model's main input, as Transformers names it: its main_input_name, else input_ids."""
+    return getattr(unwrapped(model), "main_input_name", "input_ids")
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -260,4 +265,4 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 __all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
-           "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "to_device"]
+           "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "main_input_name", "to_device"]

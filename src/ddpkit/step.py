@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import model_io
 from .precision import Precision
 from .window import Window
 from .wrap import ddp_of
@@ -78,7 +79,7 @@ def floating_point_ops(model: nn.Module, inputs: Any) -> int:
     """Transformers' Trainer's estimate of one forward and backward: 6 operations per token of the model's main
     input (a forward's multiply and add per weight, twice that in backward) per parameter outside the
     embeddings, whose lookups cost no multiplications; 0 where it cannot tell (no num_parameters, no such input)."""
-    tokens = inputs.get(getattr(model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) else None
+    tokens = inputs.get(model_io.main_input_name(model)) if isinstance(inputs, Mapping) else None
     if not counts_flos(model) or not isinstance(tokens, torch.Tensor):
         return 0
     return 6 * tokens.numel() * model.num_parameters(exclude_embeddings=True)

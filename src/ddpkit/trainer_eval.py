@@ -200,7 +200,7 @@ class EvaluationMixin:
 def _main_input(batch: Any, model: nn.Module) -> Any:
     """include_for_metrics "inputs": the batch's model.main_input_name (input_ids by default), as Transformers
     takes it; a KeyError there too where the batch has none."""
-    name = getattr(model, "main_input_name", "input_ids")
+    name = model_io.main_input_name(model)
     if not isinstance(batch, Mapping) or name not in batch:
         raise KeyError(f"include_for_metrics 'inputs' gives compute_metrics each batch's {name!r} (the model's "
                        f"main_input_name), which this batch has not; set main_input_name on the model, or leave "
