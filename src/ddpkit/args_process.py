@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .backends import default_device_type
+from .backends import default_device_type, node_device_index
 from .env import LaunchInfo, read_launch_env
 
 
@@ -66,8 +66,7 @@ class ProcessMixin:
         kind = "cpu" if self.use_cpu else default_device_type()
         if kind == "cpu":
             return torch.device("cpu")
-        count = getattr(torch, kind).device_count()
-        return torch.device(kind, 0 if count == 1 else self.local_process_index)
+        return torch.device(kind, node_device_index(self.local_process_index, getattr(torch, kind).device_count()))
 
     @property
     def n_gpu(self) -> int:

@@ -44,6 +44,12 @@ def default_device_type() -> str:
     return "cpu"
 
 
+def node_device_index(local_rank: int, count: int) -> int:
+    """The device index of the process with `local_rank` on a node showing `count` devices: its local rank, or 0
+    where each process sees one device, bound to it (SLURM --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)."""
+    return 0 if count == 1 else local_rank
+
+
 def backend_for_device(device_type: str) -> str:
     try:
         return DEVICE_BACKENDS[device_type]
@@ -77,4 +83,4 @@ def check_backend(backend: str) -> None:
 
 
 __all__ = ["DEVICE_BACKENDS", "KNOWN_BACKENDS", "available_backends", "backend_for_device", "check_backend",
-           "default_device_type"]
+           "default_device_type", "node_device_index"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import backend_for_device, check_backend, default_device_type
+from .backends import backend_for_device, check_backend, default_device_type, node_device_index
 from .errors import ERROR_FILE_VAR, callers_level, install_worker_excepthook, message_record, write_error_file
 from .meet import LaunchError, rendezvous
 from .orphan import session_launcher, watch_parent
@@ -274,8 +274,7 @@ def _pin_device(device_type: str, local_rank: int | None) -> torch.device:
     count = module.device_count()
     if local_rank is None:
         return _adopted_device(device_type, module, count)
-    if count == 1:  # one device bound to each task (SLURM --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)
-        local_rank = 0
+    local_rank = node_device_index(local_rank, count)
     if local_rank >= count:
         raise LaunchError(
             f"local rank {local_rank} needs {device_type}:{local_rank} but only {count} {device_type} device(s) "
