@@ -93,7 +93,8 @@ class EvaluationMixin:
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
                                          self.args.include_for_metrics)
-        part.dealt = evaluation.reads(loader, dataset, mine)  # checked on every rank where predictions are gathered
+        if want_predictions:  # checked on every rank where the predictions are gathered, read only there
+            part.dealt = evaluation.reads(loader, dataset, mine)
         return part, mine, start
 
     def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
