@@ -49,13 +49,16 @@ def take_batches(batches: Iterator, accumulation_steps: int) -> list[Any]:
     return taken
 
 
+_SUMS = 5  # the layout's entries before each rank's batches: stop, items, samples, loss, tokens
+
+
 def _layout(world: DistEnv, stop: bool = False, items: float = 0.0, samples: int = 0, batches: int = 0,
             loss: float = 0.0, tokens: int = 0) -> list[float]:
     # [ranks asked to stop, global items, global samples, loss, tokens, batches of rank 0, ..., of rank N-1]: each
     # rank fills in its own, so the sums are every rank's. The stop flag, the previous step's loss and the tokens
     # ride along, so agreeing on a stop, logging the loss and counting tokens cost no collective of their own.
     mine = [float(stop), float(items), float(samples), float(loss), float(tokens)] + [0.0] * world.world_size
-    mine[5 + world.rank] = float(batches)
+    mine[_SUMS + world.rank] = float(batches)
     return mine
 
 
@@ -66,7 +69,7 @@ def agree_on_window(comm: Comm, world: DistEnv, taken: list[Any], items: float, 
     `previous_loss`."""
     counts = sum_over_ranks(comm, _layout(world, stop, items, samples, len(taken), loss, tokens),
                             "items and batches of this optimizer step", world.device)
-    return Window(taken, counts[1], int(counts[2]), int(max(counts[5:])), stop=counts[0] > 0,
+    return Window(taken, counts[1], int(counts[2]), int(max(counts[_SUMS:])), stop=counts[0] > 0,
                   previous_loss=counts[3], tokens=int(counts[4]))
 
 
