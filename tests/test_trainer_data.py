@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import Classifier, classification_data, run_world, trainer_args
+from conftest import Classifier, classification_data, run_world, token_data, trainer_args
+from torch import nn
 
 from ddpkit.collator import default_data_collator
 from ddpkit.trainer import Trainer
@@ -161,5 +162,60 @@ def test_train_sampling_strategy_sequential_keeps_the_dataset_order(tmp_path, lo
         order[strategy] = [int(i) for batch in trainer.get_train_dataloader() for i in batch["idx"]]
     assert order["sequential"] == list(range(12)) and sorted(order["random"]) == list(range(12))
     assert order["random"] != order["sequential"]
-    with pytest.raises(ArgumentError, match="train_sampling_strategy: must be random or sequential"):
-        TrainingArguments(output_dir=str(tmp_path), train_sampling_strategy="group_by_length")
+    with pytest.raises(ArgumentError, match="train_sampling_strategy: must be random, sequential or group_by_length"):
+        TrainingArguments(output_dir=str(tmp_path), train_sampling_strategy="batch_rebalance")
+
+
+class Tokens(nn.Module):
+    """Per-token classification that takes the samples' ids too (remove_unused_columns=False keeps them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(11, 8), nn.Linear(8, 4)
+
+    def forward(self, input_ids, labels, idx):
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)}
+
+
+class Seen(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen.append((self.state.global_step + 1, inputs["idx"].tolist()))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def grouped_run(world, out, resume):
+    """group_by_length: 48 token samples, 2 per rank per micro-batch, 2 micro-batches a step; the ids each step
+    read, and the order the sampler should give (the epoch's grouped order, group size 2 x 2)."""
+    from conftest import pad_collate
+
+    from ddpkit.length_sampler import LengthGroupedSampler, length_grouped_order
+
+    data = [dict(sample, idx=i) for i, sample in enumerate(token_data(48))]
+    collate = lambda samples: {**pad_collate(samples), "idx": torch.tensor([s["idx"] for s in samples])}  # noqa: E731
+    torch.manual_seed(0)
+    args = trainer_args(f"{out}/w{world.world_size}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        train_sampling_strategy="group_by_length", remove_unused_columns=False, max_steps=8,
+                        save_strategy="steps", save_steps=4)
+    trainer = Seen(Tokens(), args, data_collator=collate, train_dataset=data)
+    trainer.seen = []
+    assert isinstance(trainer.get_train_sampler(), LengthGroupedSampler)
+    trainer.train(resume_from_checkpoint=resume)
+    lengths = [len(s["input_ids"]) for s in data]
+    return trainer.seen, length_grouped_order(lengths, 4, seed=7, epoch=0).tolist(), lengths
+
+
+def test_group_by_length_trains_the_grouped_order_and_resumes_it_on_another_world_size(tmp_path):
+    out = str(tmp_path)
+    two = run_world(grouped_run, 2, args=(out, None), deadline_s=120)
+    (one,) = run_world(grouped_run, 1, args=(out, f"{out}/w2/checkpoint-4"), deadline_s=120)
+    order, lengths = two[0][1], two[0][2]
+    # Rank r takes positions r, r + 2, ... of the grouped order: 8 a step over both ranks, 6 steps an epoch.
+    for rank, (seen, _, _) in enumerate(two):
+        mine = [i for step, ids in seen if step <= 6 for i in ids]
+        assert mine == order[rank:48:2], rank
+    # Resumed on one rank after step 4 (32 samples): the epoch's 16 others, in the order's own sequence.
+    rest = [i for step, ids in one[0] if step <= 8 for i in ids]
+    assert rest == order[32:48] and len(rest) == 16
+    # The first step starts with the longest sample (an out-of-memory error would come at once).
+    assert lengths[two[0][0][0][1][0]] == max(lengths)

@@ -10,6 +10,7 @@ from .ddp import DistributedDataParallel, ReplicaDivergenceError
 from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError
 from .join import Join
 from .sampler import DistributedSampler
+from .length_sampler import LengthGroupedSampler
 from .zero import ZeroRedundancyOptimizer
 from .precision import AgreedGradScaler
 from .args import ArgumentError, TrainingArguments
@@ -43,6 +44,7 @@ __all__ = [
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
+    "LengthGroupedSampler",
     "Join",
     "LaunchError",
     "LaunchInfo",

@@ -94,7 +94,11 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
     dataloader_drop_last: bool = _field(False, "Drop each process's last incomplete training batch.")
     train_sampling_strategy: str = _field("random", "The training order: random (shuffled anew each epoch, from "
-                                                    "data_seed) or sequential (the dataset's order).")
+                                                    "data_seed), sequential (the dataset's order) or group_by_length "
+                                                    "(shuffled, then samples of similar length batched together: "
+                                                    "less padding).")
+    length_column_name: str = _field("length", "group_by_length: the dataset column of precomputed sample lengths; "
+                                               "without one each sample's first model input is measured.")
     dataloader_pin_memory: bool = _field(True, "Pin the batches' memory for a faster copy to the GPU (on GPUs only).")
     dataloader_persistent_workers: bool = _field(False, "Keep a loader's workers between its passes (needs "
                                                         "dataloader_num_workers > 0).")

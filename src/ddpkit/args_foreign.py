@@ -40,7 +40,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "dataloader_multiprocessing_context": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
-    "length_column_name": ("length", "ddpkit has no length-grouping sampler (train_sampling_strategy)"),
     "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing"),

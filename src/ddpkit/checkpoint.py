@@ -15,7 +15,7 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     optimizer.pt             optimizer.state_dict(), read back with torch.load(weights_only=True)
     scheduler.pt             scheduler.state_dict(), likewise
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
-    sampler_state.json       the data position: {"epoch", "seed", "consumed"}
+    sampler_state.json       the data position: {"epoch", "seed", "consumed"} (+ "group_size": group_by_length)
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise (a world of one writes it
                              also as rng_state.pth, the name a Transformers Trainer of one process reads)
     trainer_state.json       global_step, log_history, ...: Transformers' TrainerState fields alone, so that

@@ -91,9 +91,12 @@ def remaining_positions(dataset_len: int, num_replicas: int, consumed: int = 0, 
 
 
 def shard_indices(dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-                  epoch: int = 0, consumed: int = 0, drop_last: bool = False) -> list[int]:
+                  epoch: int = 0, consumed: int = 0, drop_last: bool = False,
+                  order: torch.Tensor | None = None) -> list[int]:
     """The sample indices rank `rank` of `num_replicas` takes for the rest of `epoch`, from global position
     `consumed` on. consumed=0 gives torch.utils.data.DistributedSampler's indices for the same arguments.
+    `order`: the epoch's global order, a permutation of range(dataset_len), if not epoch_order's (shuffle, seed
+    and epoch are then not read): ddpkit.length_sampler's, which groups samples of similar length.
     """
     dataset_len, num_replicas, rank = (_as_int(dataset_len, "dataset length"), _as_int(num_replicas, "num_replicas"),
                                        _as_int(rank, "rank"))
@@ -103,7 +106,8 @@ def shard_indices(dataset_len: int, num_replicas: int, rank: int, shuffle: bool 
     if consumed + rank >= end:  # nothing left of this epoch
         return []
     positions = torch.arange(consumed + rank, end, num_replicas)
-    order = epoch_order(dataset_len, shuffle, seed, epoch)
+    if order is None:
+        order = epoch_order(dataset_len, shuffle, seed, epoch)
     return order[positions % dataset_len].tolist()  # positions >= N are padding: order[p % N]
 
 
@@ -155,10 +159,16 @@ class DistributedSampler(Sampler[int]):
     def _position(self) -> int:
         return 0 if self._left_by_pass else self._consumed
 
+    def global_order(self) -> torch.Tensor:
+        """The current epoch's order of sample indices over all ranks (before padding): a subclass may draw
+        another, as long as every rank draws the same and it depends on no world size (a resume onto another
+        one continues it)."""
+        return epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
+
     def __iter__(self) -> Iterator[int]:
         start = self._position()
         indices = shard_indices(len(self.dataset), self.num_replicas, self.rank, self.shuffle, self.seed,
-                                self.epoch, start, self.drop_last)
+                                self.epoch, start, self.drop_last, order=self.global_order())
         self._token += 1
         self.consumed, self._pass_start = start, start
         return self._hand_out(indices, start, self._token)
@@ -203,6 +213,16 @@ class DistributedSampler(Sampler[int]):
                              f"Trainer seeds it with --data_seed, or --seed where that is unset: pass {seed})")
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, the checkpoint says {consumed}")
+        self._load_order(state)
         self.epoch, self.consumed = epoch, consumed
         self._token += 1
         self._pass_start = None  # a loaded position is resumed, even the epoch's end (consumed was set above)
+
+    def _load_order(self, state: dict[str, Any]) -> None:
+        """Check (or adopt) what a saved order depends on beyond seed and epoch: nothing, here. A length-grouped
+        sampler's state is refused while its epoch is under way (its rest is in another order)."""
+        if "group_size" in state and 0 < state["consumed"] < len(self.dataset):
+            raise ValueError("this sampler state is a length-grouped sampler's (train_sampling_strategy="
+                             "'group_by_length'), and its epoch is under way: the rest of it is in another order than "
+                             "this sampler's. Resume with that strategy (ddpkit.LengthGroupedSampler); switch at an "
+                             "epoch's end")

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import evaluation
 from .collator import without_unused_columns
+from .length_sampler import LengthGroupedSampler, dataset_lengths
 from .loader_workers import SparedLoader
 from .sampler import DistributedSampler
 
@@ -30,9 +31,15 @@ class DataMixin:
     _train_sampler: Any = None  # train()'s, which the loop sets to each epoch and checkpoints save
 
     def get_train_sampler(self) -> DistributedSampler:
+        a = self.args
+        if a.train_sampling_strategy == "group_by_length":
+            names = getattr(getattr(self, "processing_class", None), "model_input_names", None)
+            lengths = dataset_lengths(self.train_dataset, a.length_column_name, names[0] if names else "input_ids")
+            return LengthGroupedSampler(self.train_dataset, lengths, a.per_device_train_batch_size *
+                                        a.gradient_accumulation_steps, num_replicas=self.world.world_size,
+                                        rank=self.world.rank, seed=data_seed(a))
         return DistributedSampler(self.train_dataset, num_replicas=self.world.world_size, rank=self.world.rank,
-                                  shuffle=self.args.train_sampling_strategy == "random", seed=data_seed(self.args),
-                                  drop_last=False)
+                                  shuffle=a.train_sampling_strategy == "random", seed=data_seed(a), drop_last=False)
 
     def get_train_dataloader(self) -> DataLoader:
         """Transformers': this rank's batches of the training set, for the train sampler's current epoch."""

@@ -163,9 +163,9 @@ def _validate_evaluation(args: Any, need: Callable[[bool, str, str], None]) -> N
 
 
 def _validate_loaders(args: Any, need: Callable[[bool, str, str], None]) -> None:
-    need(args.train_sampling_strategy in ("random", "sequential"), "train_sampling_strategy", "must be random or "
-         "sequential (Transformers' group_by_length and batch_rebalance samplers are not ddpkit's: sort or bucket "
-         "the dataset by length yourself and train it sequential)")
+    need(args.train_sampling_strategy in ("random", "sequential", "group_by_length"), "train_sampling_strategy",
+         "must be random, sequential or group_by_length (Transformers' batch_rebalance is not ddpkit's: "
+         "group_by_length batches samples of similar length together)")
     need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
     for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
         need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
