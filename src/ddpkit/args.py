@@ -39,6 +39,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
                                                 "input), loss (each sample's batch loss).")
     prediction_loss_only: bool = _field(False, "evaluate and predict compute the loss only: no predictions (None "
                                                "from predict), no compute_metrics.")
+    batch_eval_metrics: bool = _field(False, "Call compute_metrics(prediction, compute_result) at every evaluation "
+                                             "step, over that step's batches (compute_result True at the last, where "
+                                             "it returns the metrics), instead of keeping every prediction.")
     eval_accumulation_steps: int | None = _field(None, "Taken for Transformers' scripts: ddpkit moves each batch's "
                                                        "predictions off the device at once, as 1 does there.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")

@@ -98,6 +98,7 @@ class Part:
     labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
     inputs: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "inputs"
     losses: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "loss"
+    step_metrics: dict[str, Any] | None = None  # batch_eval_metrics: what compute_metrics returned at the last step
 
 
 # (loss, logits, labels, samples, the batch's main model input): prediction_step's, and what more evaluation needs
@@ -107,11 +108,12 @@ Forward = Callable[[Any], ForwardResult]
 
 def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
                preprocess: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
-               include: Collection[str] = ()) -> Part:
+               include: Collection[str] = (), each: Callable[[Part], None] | None = None) -> Part:
     """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
     left out), keep logits (or what `preprocess(logits, labels)` makes of them: Transformers'
     preprocess_logits_for_metrics) and labels (None: none) if wanted, and what `include` names (Transformers'
-    include_for_metrics): "inputs", the main model input, and "loss", the batch's loss once per sample."""
+    include_for_metrics): "inputs", the main model input, and "loss", the batch's loss once per sample. `each`:
+    called with the part after every batch (ddpkit.batch_metrics' steps)."""
     part = Part()
     for batch in batches:
         loss, logits, labels, samples, main_input = forward(batch)
@@ -133,6 +135,8 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
                 part.inputs.append(_numpy(main_input))
             if "loss" in include and loss is not None:
                 part.losses.append(_numpy(loss.detach().mean().reshape(1).repeat(samples)))
+        if each is not None:
+            each(part)
     return part
 
 
@@ -178,7 +182,7 @@ def predictions_over_ranks(comm: Comm, part: Part, indices: list[int], prefix: s
     metrics = _loss_metrics(comm, part, prefix, device)
     # Whether there are labels is every rank's alike (gathered), so every rank calls compute_metrics or none does.
     if compute_metrics is not None and prediction.label_ids is not None:
-        metrics.update(_prefixed(compute_metrics(prediction), prefix))
+        metrics.update(prefixed(compute_metrics(prediction), prefix))
     return prediction, metrics
 
 
@@ -197,7 +201,7 @@ def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) 
     return (bad_sum / bad_samples if bad_samples else 0.0), bad_samples
 
 
-def _prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:
+def prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}_{k}": float(v) for k, v in found.items()}
 
 
@@ -223,12 +227,12 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
     return joined
 
 
-def _joined(pieces: list[Any], order: np.ndarray | None = None) -> Any:
+def joined(pieces: list[Any], order: np.ndarray | None = None) -> Any:
     """Arrays (or tuples of arrays: several label names) concatenated along the samples, then put in `order`."""
     if isinstance(pieces[0], tuple):
-        return tuple(_joined([piece[i] for piece in pieces], order) for i in range(len(pieces[0])))
-    joined = _concat(pieces)
-    return joined if order is None else joined[order]
+        return tuple(joined([piece[i] for piece in pieces], order) for i in range(len(pieces[0])))
+    whole = _concat(pieces)
+    return whole if order is None else whole[order]
 
 
 def _samples(labels: Any) -> int:
@@ -237,14 +241,14 @@ def _samples(labels: Any) -> int:
 
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
     """Every rank's predictions (and labels), in dataset order, on every rank."""
-    local = (indices, *(_joined(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
+    local = (indices, *(joined(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
              *(_concat(pieces) if pieces else None for pieces in (part.inputs, part.losses)))
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_shards(shards)
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     # Whether there are labels (inputs, losses) is every rank's question alike: a rank without samples has none.
     preds, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in (1, 2, 4, 5))
-    return EvalPrediction(_joined(preds, order), *(_joined(x, order) if x else None for x in (labels, inputs, losses)))
+    return EvalPrediction(joined(preds, order), *(joined(x, order) if x else None for x in (labels, inputs, losses)))
 
 
 def _check_shards(shards: list[tuple]) -> None:
@@ -262,5 +266,5 @@ def _check_shards(shards: list[tuple]) -> None:
                          "(for a loss and compute_metrics) or none (predictions only)")
 
 
-__all__ = ["Part", "accumulate", "reads", "can_return_loss", "gather_predictions", "label_names_of", "labels_named",
-           "over_ranks", "predictions_over_ranks", "shard"]
+__all__ = ["Part", "accumulate", "reads", "can_return_loss", "gather_predictions", "joined", "label_names_of",
+           "labels_named", "over_ranks", "predictions_over_ranks", "prefixed", "shard"]

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import evaluation, model_io, optim, resume, runs, step
+from .batch_metrics import check_compute_metrics
 from .best import BestModel
 from .collator import check_collator, default_collator
 from .saves import Saves, saved_processor
@@ -105,6 +106,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                                 "pass one, or set eval_strategy to 'no'")
         self.data_collator = data_collator or default_collator(processing_class)  # Transformers' rules (collator.py)
         self.processing_class = processing_class  # a tokenizer, say: saved into checkpoints and by save_model
+        check_compute_metrics(args.batch_eval_metrics, compute_metrics)
         self.compute_metrics = compute_metrics
         # Transformers': loss = compute_loss_func(outputs, labels, num_items_in_batch=...), the model given no labels;
         # compute_metrics gets preprocess_logits_for_metrics(logits, labels) of each batch instead of its logits.

@@ -10,6 +10,7 @@ label_names, the eval dataset and loader, its callbacks, saves and its log.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import evaluation, model_io
+from .batch_metrics import StepMetrics
 from .plan import due
 from .state import EvalPrediction, PredictionOutput
 from .timeline import CHECKPOINT, EVALUATION
@@ -46,7 +48,9 @@ class EvaluationMixin:
         metric = None if self.args.prediction_loss_only else self.compute_metrics  # none: the loss only
         part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", ignore_keys,
                                             want_predictions=metric is not None)
-        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, metric, self.world.device)
+        at_end = None if part.step_metrics is not None else metric  # batch_eval_metrics: computed step by step
+        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, at_end, self.world.device)
+        metrics.update(evaluation.prefixed(part.step_metrics or {}, metric_key_prefix))
         self._add_speed(metrics, metric_key_prefix, start, len(dataset))
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
@@ -65,8 +69,10 @@ class EvaluationMixin:
             prediction = EvalPrediction(None, None)
             metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, None, self.world.device)
         else:
+            at_end = None if part.step_metrics is not None else self.compute_metrics
             prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
-                                                                    self.compute_metrics, self.world.device)
+                                                                    at_end, self.world.device)
+            metrics.update(evaluation.prefixed(part.step_metrics or {}, metric_key_prefix))
         self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
         self._fire("on_predict", metrics=metrics)
         return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
@@ -90,12 +96,25 @@ class EvaluationMixin:
         # process computes, so eval_loss is the same on any world size (evaluation.shard).
         mine = self._eval_indices(dataset)
         loader = self.get_eval_dataloader(dataset) if unnamed_labels else self.get_test_dataloader(dataset)
+        steps = self._step_metrics(loader, dataset, mine, keep=not unnamed_labels) if want_predictions else None
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
-                                         self.args.include_for_metrics)
+                                         self.args.include_for_metrics, each=steps)
+        if steps is not None:
+            part.step_metrics = steps.finish()
         if want_predictions:  # checked on every rank where the predictions are gathered, read only there
             part.dealt = evaluation.reads(loader, dataset, mine)
         return part, mine, start
+
+    def _step_metrics(self, loader: Any, dataset: Dataset, mine: list[int], keep: bool) -> StepMetrics | None:
+        """batch_eval_metrics (with compute_metrics): compute_metrics at every step (ddpkit.batch_metrics), the
+        predictions kept only for predict, which returns them; the loaders checked on every rank first."""
+        if not (self.args.batch_eval_metrics and self.compute_metrics is not None):
+            return None
+        batch_size = self.args.per_device_eval_batch_size
+        steps = StepMetrics(self.comm, self.compute_metrics, len(dataset), batch_size, self.world.device, keep)
+        steps.agree(evaluation.reads(loader, dataset, mine), _length(loader), math.ceil(len(mine) / batch_size))
+        return steps
 
     def _add_speed(self, metrics: dict[str, float], prefix: str, start: float, samples: int) -> None:
         evaluation.add_speed(metrics, prefix, time.perf_counter() - start, samples,
@@ -207,6 +226,13 @@ def _main_input(batch: Any, model: nn.Module) -> Any:
                        f"main_input_name), which this batch has not; set main_input_name on the model, or leave "
                        "'inputs' out")
     return batch[name]
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # a loader of an iterable dataset, or a wrapper without a length: taken at its word
+        return None
 
 
 def _check_ignore_keys(ignore_keys: list[str] | None) -> None:

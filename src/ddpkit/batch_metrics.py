@@ -1,0 +1,107 @@
+"""Transformers' batch_eval_metrics: compute_metrics at every evaluation step, over that step's batches of every
+rank, instead of once over every prediction kept until the end (which a large evaluation set may not fit).
+
+    def compute_metrics(prediction, compute_result):     # an object that accumulates, as Transformers asks
+        right.append((prediction.predictions.argmax(-1) == prediction.label_ids).sum())
+        seen.append(prediction.label_ids.numel())
+        if compute_result:
+            return {"accuracy": (sum(right) / sum(seen)).item()}
+
+A step is one batch on every rank: ddpkit deals whole batches out in dataset order (ddpkit.evaluation.shard),
+batch k to rank k % R, so step s holds batches s*R .. s*R + R - 1, and its EvalPrediction holds them in dataset
+order, on every rank: the same calls, with the same values, on every rank, whatever the world size gives a step.
+As Transformers', it holds torch tensors on the rank's device (its logits after preprocess_logits_for_metrics),
+compute_result is True at the last step only, and the metrics are what that last call returned. Each rank checks
+first, with the others, that its loader reads the batches it was dealt: the steps are collectives, and a rank
+with another count of batches would leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import evaluation
+from .comm import Comm, gather_objects
+from .state import EvalPrediction
+
+
+def check_compute_metrics(batch_eval_metrics: bool, compute_metrics: Callable | None) -> None:
+    """Transformers' rule, at the Trainer's construction: batch_eval_metrics calls compute_metrics with
+    compute_result, which it must take."""
+    if batch_eval_metrics and compute_metrics is not None and \
+            "compute_result" not in inspect.signature(compute_metrics).parameters:
+        raise ValueError("batch_eval_metrics=True calls compute_metrics(prediction, compute_result=...) at every "
+                         "evaluation step, compute_result True at the last one, where it returns the metrics: "
+                         "give your compute_metrics a compute_result argument, or set batch_eval_metrics=False")
+
+
+class StepMetrics:
+    """The calls of one evaluation pass (accumulate's `each`): the batches this rank's loader makes, then as many
+    empty steps as it is short of the others (dealt one batch fewer)."""
+
+    def __init__(self, comm: Comm, compute_metrics: Callable, samples: int, batch_size: int, device: torch.device,
+                 keep: bool):
+        self.comm, self.compute_metrics, self.device, self.keep = comm, compute_metrics, device, keep
+        self.steps = math.ceil(math.ceil(samples / batch_size) / comm.world_size)
+        self.step = 0
+        self.seen = [0, 0, 0, 0]  # entries of the part's lists already taken (keep: predict returns them all)
+        self.metrics: dict[str, Any] = {}
+
+    def agree(self, dealt: bool, batches: int | None, expected: int) -> None:
+        """Before the first step, on every rank: every loader reads what it was dealt (one collective)."""
+        told = gather_objects(self.comm, (dealt, batches, expected), "batch_eval_metrics loaders")
+        for rank, (rank_dealt, count, wanted) in enumerate(told):
+            if not rank_dealt or (count is not None and count != wanted):
+                read = f"has {count} batches, not" if rank_dealt else "reads other samples than"
+                raise ValueError(f"batch_eval_metrics: rank {rank}'s loader {read} the {wanted} batches ddpkit dealt "
+                                 "it; "
+                                 "each evaluation step gathers one batch of every rank, so an overridden "
+                                 "get_eval_dataloader or get_test_dataloader must keep super()'s sampler")
+
+    def __call__(self, part: evaluation.Part) -> None:
+        """After each batch of this rank: its step, over every rank."""
+        lists = (part.predictions, part.labels, part.inputs, part.losses)
+        batch = tuple(entries[seen] if len(entries) > seen else None for entries, seen in zip(lists, self.seen))
+        if self.keep:
+            self.seen = [len(entries) for entries in lists]
+        else:
+            for entries in lists:
+                entries.clear()
+        self._step(batch)
+
+    def finish(self) -> dict[str, Any]:
+        """This rank's empty steps, if any; the metrics of the last step."""
+        while self.step < self.steps:
+            self._step((None, None, None, None))
+        return self.metrics
+
+    def _step(self, batch: tuple) -> None:
+        if self.step >= self.steps:
+            raise RuntimeError(f"batch_eval_metrics: this rank's loader made more than the {self.steps} steps "
+                               "every rank's share of the evaluation makes")
+        self.step += 1
+        shards = gather_objects(self.comm, batch, "batch_eval_metrics step")
+        predictions, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in range(4))
+        if predictions and labels:  # as Transformers: no call for a step without labels
+            found = self.compute_metrics(EvalPrediction(*(self._tensors(x) for x in (predictions, labels, inputs,
+                                                                                        losses))),
+                                         compute_result=self.step == self.steps)
+            self.metrics = dict(found) if found else {}
+
+    def _tensors(self, pieces: list[Any]) -> Any:
+        """The step's batches, in dataset order, as one tensor on the device (a tuple: several label names)."""
+        if not pieces:
+            return None
+        joined = evaluation.joined(pieces)
+        if isinstance(joined, tuple):
+            return tuple(torch.as_tensor(np.ascontiguousarray(a), device=self.device) for a in joined)
+        return torch.as_tensor(np.ascontiguousarray(joined), device=self.device)
+
+
+__all__ = ["StepMetrics", "check_compute_metrics"]

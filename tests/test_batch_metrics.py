@@ -1,0 +1,119 @@
+"""ddpkit.batch_metrics: Transformers' batch_eval_metrics. compute_metrics at every evaluation step over that
+step's batches of every rank, in dataset order, as tensors, compute_result at the last step only; the same
+metrics as computed over every prediction at the end, on any world size; loaders that would leave a rank
+waiting refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import classification_data, run_world, trainer_args
+from torch import nn
+
+from ddpkit.trainer import Trainer
+
+
+class Echo(nn.Module):
+    """Logits whose first column is the sample's index: each call shows which samples it got, in which order."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(6, 3).double()
+
+    def forward(self, x, labels=None, idx=None):
+        logits = self.net(x)
+        logits = torch.cat([idx.double().unsqueeze(1), logits[:, 1:]], dim=1)
+        loss = None if labels is None else nn.functional.cross_entropy(self.net(x), labels)
+        return {"loss": loss, "logits": logits}
+
+
+class Accuracy:
+    """A batch_eval_metrics compute_metrics as Transformers' documentation has them: it accumulates, and returns
+    the metrics at the last step. Records each call: its samples, compute_result, the predictions' type."""
+
+    def __init__(self):
+        self.calls, self.right, self.seen = [], 0, 0
+
+    def __call__(self, prediction, compute_result):
+        logits, labels = prediction
+        self.calls.append((logits[:, 0].long().tolist(), compute_result, type(logits).__name__))
+        self.right += int((logits[:, 1:].argmax(-1) + 1 == labels).sum())
+        self.seen += len(labels)
+        if compute_result:
+            return {"accuracy": self.right / self.seen, "samples": self.seen}
+
+
+def at_the_end(prediction):
+    logits, labels = prediction
+    return {"accuracy": float(((logits[:, 1:].argmax(-1) + 1) == labels).mean()), "samples": len(labels)}
+
+
+def batched_world(world, out, n):
+    results = {}
+    for batched in (True, False):
+        torch.manual_seed(0)
+        metric = Accuracy() if batched else at_the_end
+        args = trainer_args(f"{out}/{batched}", per_device_eval_batch_size=2, batch_eval_metrics=batched,
+                            remove_unused_columns=False)
+        trainer = Trainer(Echo(), args, compute_metrics=metric)
+        metrics = trainer.evaluate(classification_data(n))
+        predicted = trainer.predict(classification_data(n))
+        results[batched] = {k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_samples", "eval_loss")}
+        results[batched]["test"] = {k: v for k, v in predicted.metrics.items() if k in ("test_accuracy", "test_loss")}
+        results[batched]["order"] = predicted.predictions[:, 0].astype(int).tolist()
+        if batched:
+            results["calls"] = metric.calls
+    return results
+
+
+@pytest.mark.parametrize("world_size, n", [(2, 9), (3, 9), (1, 5)])
+def test_each_step_gets_its_batches_in_dataset_order_and_the_metrics_match_the_end(tmp_path, world_size, n):
+    outcome = run_world(batched_world, world_size, args=(str(tmp_path), n), deadline_s=120)
+    step = 2 * world_size  # samples a step holds: one batch of 2 on every rank
+    steps = -(-n // step)
+    for results in outcome:
+        calls = results["calls"]
+        # evaluate's steps, then predict's: the step's samples in dataset order, compute_result at the last only
+        assert len(calls) == 2 * steps, calls
+        for run in (calls[:steps], calls[steps:]):
+            assert [c[0] for c in run] == [list(range(s, min(s + step, n))) for s in range(0, n, step)], run
+            assert [c[1] for c in run] == [False] * (steps - 1) + [True] and {c[2] for c in run} == {"Tensor"}
+        assert results[True] == results[False] and results[True]["eval_samples"] == n
+        assert results[True]["order"] == list(range(n))  # predict still returns every prediction, in order
+    assert all(r == outcome[0] for r in outcome)
+
+
+def other_loaders_world(world, out):
+    """Rank 1's loader overridden: its own samples one at a time (4 batches where 2 were dealt), then the whole
+    set; rank 0's is ddpkit's, and would wait at a step rank 1 never reaches (or that rank 0 never reaches)."""
+    told = []
+    for make in (lambda d, dealt: torch.utils.data.Subset(d, list(dealt.sampler)), lambda d, dealt: d):
+        class Other(Trainer):
+            def get_eval_dataloader(self, eval_dataset=None):
+                loader = super().get_eval_dataloader(eval_dataset)
+                if self.world.rank == 1:
+                    return torch.utils.data.DataLoader(make(eval_dataset, loader), batch_size=1,
+                                                       collate_fn=loader.collate_fn)
+                return loader
+
+        args = trainer_args(out, per_device_eval_batch_size=2, batch_eval_metrics=True, remove_unused_columns=False)
+        trainer = Other(Echo(), args, compute_metrics=Accuracy())
+        with pytest.raises(ValueError) as raised:
+            trainer.evaluate(classification_data(8))
+        told.append(str(raised.value))
+    return told
+
+
+def test_a_loader_with_other_batches_is_refused_on_every_rank_before_any_step(tmp_path):
+    for count, other in run_world(other_loaders_world, 2, args=(str(tmp_path),), deadline_s=60):
+        assert "rank 1's loader has 4 batches, not the 2 batches ddpkit dealt it" in count, count
+        assert "rank 1's loader reads other samples than the 2 batches ddpkit dealt it" in other, other
+        assert "keep super()'s sampler" in count and "keep super()'s sampler" in other
+
+
+def test_compute_metrics_without_compute_result_is_refused(tmp_path, local_world):
+    args = trainer_args(tmp_path, batch_eval_metrics=True)
+    with pytest.raises(ValueError, match="give your compute_metrics a compute_result argument"):
+        Trainer(Echo(), args, compute_metrics=at_the_end)
+    Trainer(Echo(), args)  # no compute_metrics: nothing to call
+    Trainer(Echo(), trainer_args(tmp_path), compute_metrics=at_the_end)  # off: the end's signature
