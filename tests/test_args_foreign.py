@@ -43,20 +43,21 @@ def test_in_code_a_foreign_field_at_its_default_is_dropped_and_another_value_ref
 
 
 def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_another(tmp_path):
-    """Transformers' run_ner.py reads training_args.eval_do_concat_batches in its compute_metrics: an
-    AttributeError here, once the field was dropped. Every foreign field reads as its default (a fresh copy)."""
+    """A script reads Transformers' fields off its arguments (run_ner.py read eval_do_concat_batches before
+    ddpkit had it): an AttributeError here, once the field was dropped. Every foreign field reads as its default
+    (a fresh copy)."""
     args = TrainingArguments(output_dir=str(tmp_path))
     for name, (default, _) in FOREIGN.items():
         assert getattr(args, name) == NORMALISED.get(name, [default])[0], name  # as Transformers' __post_init__
-    assert args.eval_do_concat_batches is True and args.deepspeed is None and args.log_level == "passive"
+    assert args.eval_use_gather_object is False and args.deepspeed is None and args.log_level == "passive"
     assert args.debug == [] and args.activation_checkpointing is False
     args.debug.append("underflow_overflow")
     assert args.debug == []  # a fresh copy each read
     args.eval_delay = 0  # the default: nothing to refuse, nothing kept
     assert "eval_delay" not in vars(args)
-    with pytest.raises(ForeignArgument, match="eval_do_concat_batches=False"):
-        args.eval_do_concat_batches = False
-    assert args.eval_do_concat_batches is True
+    with pytest.raises(ForeignArgument, match="eval_use_gather_object=True"):
+        args.eval_use_gather_object = True
+    assert args.eval_use_gather_object is False
     with pytest.raises(AttributeError, match="no attribute 'bogus'"):
         args.bogus  # noqa: B018 - a name that is no field of either stays an AttributeError
 

@@ -175,3 +175,52 @@ def test_a_dict_of_evaluation_sets_is_evaluated_set_by_set(tmp_path, local_world
     assert trainer.evaluate("b")["eval_loss"] == metrics["eval_b_loss"]  # a set by its name, under the prefix given
     with pytest.raises(KeyError, match=r"it has \['a', 'b'\]"):
         trainer.evaluate("c")
+
+
+def per_step_world(world, out):
+    """eval_do_concat_batches False and True over the same token set (9 samples of lengths 1-8, batches of 2):
+    what compute_metrics got and what predict returned."""
+    from conftest import Tagger, pad_collate, token_data
+
+    got = {}
+    for concat in (True, False):
+        seen = []
+
+        def metric(prediction):
+            seen.append(prediction)
+            return {}
+
+        torch.manual_seed(0)
+        args = trainer_args(f"{out}/{concat}", per_device_eval_batch_size=2, eval_do_concat_batches=concat,
+                            include_for_metrics=["inputs", "loss"])
+        trainer = Trainer(Tagger(), args, data_collator=pad_collate, compute_metrics=metric)
+        trainer.evaluate(token_data(9))
+        predicted = trainer.predict(token_data(9))
+        got[concat] = (seen[0], predicted)
+    return got
+
+
+def _padded(arrays):
+    """Arrays of one sample axis and a sequence axis, joined, padded with -100 to the longest sequence."""
+    longest = max(a.shape[1] for a in arrays)
+    return np.concatenate([np.pad(a, [(0, 0), (0, longest - a.shape[1])] + [(0, 0)] * (a.ndim - 2),
+                                  constant_values=-100) for a in arrays])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_eval_do_concat_batches_false_gives_one_array_per_step_padded_within_the_step(tmp_path, world_size):
+    from conftest import token_data
+
+    lengths = [len(s["input_ids"]) for s in token_data(9)]
+    step = 2 * world_size  # one batch of 2 on every rank
+    for got in run_world(per_step_world, world_size, args=(str(tmp_path),), deadline_s=120):
+        (whole, whole_predicted), (steps, steps_predicted) = got[True], got[False]
+        for parts, one in ((steps, whole), (steps_predicted, whole_predicted)):
+            assert isinstance(parts.predictions, list) and isinstance(parts.label_ids, list)
+            assert [len(p) for p in parts.predictions] == [min(step, 9 - s) for s in range(0, 9, step)]
+            # each step padded to its own longest sequence only; joined, they are the one array
+            assert [p.shape[1] for p in parts.predictions] == [max(lengths[s:s + step]) for s in range(0, 9, step)]
+            np.testing.assert_array_equal(_padded(parts.predictions), one.predictions)
+            np.testing.assert_array_equal(_padded(parts.label_ids), one.label_ids)
+        np.testing.assert_array_equal(_padded(steps.inputs), whole.inputs)
+        np.testing.assert_array_equal(np.concatenate(steps.losses), whole.losses)

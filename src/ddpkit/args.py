@@ -42,6 +42,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     batch_eval_metrics: bool = _field(False, "Call compute_metrics(prediction, compute_result) at every evaluation "
                                              "step, over that step's batches (compute_result True at the last, where "
                                              "it returns the metrics), instead of keeping every prediction.")
+    eval_do_concat_batches: bool = _field(True, "The predictions (and labels, inputs, losses) compute_metrics and "
+                                                "predict give: one array (True), or a list of one array per step "
+                                                "(False), a step being one batch of every rank.")
     eval_accumulation_steps: int | None = _field(None, "Taken for Transformers' scripts: ddpkit moves each batch's "
                                                        "predictions off the device at once, as 1 does there.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")

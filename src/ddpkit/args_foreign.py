@@ -35,7 +35,7 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "skip_memory_metrics": (True, "ddpkit reports no memory metrics"),
     "average_tokens_across_devices": (True, "ddpkit always divides the loss by the items of every rank's batches "
                                             "(the loss one process would compute over the global batch)"),
-    "eval_delay": (0, _EVAL), "eval_do_concat_batches": (True, _EVAL),
+    "eval_delay": (0, _EVAL),
     "eval_use_gather_object": (False, _EVAL),
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
@@ -75,7 +75,7 @@ class ForeignDropping(type):
 
 class ForeignDefaults:
     """The Transformers-only fields as attributes of TrainingArguments, at Transformers' default, the only value
-    ddpkit takes (Transformers' run_ner.py reads eval_do_concat_batches off its arguments); a copy where it is a
+    ddpkit takes (a Transformers script may read one off its arguments); a copy where it is a
     list or dict. Setting one to another value raises ForeignArgument; to the default, nothing changes."""
 
     def __getattr__(self, name: str) -> Any:  # only for names that are no field, property nor method

@@ -99,6 +99,7 @@ class Part:
     inputs: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "inputs"
     losses: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "loss"
     step_metrics: dict[str, Any] | None = None  # batch_eval_metrics: what compute_metrics returned at the last step
+    per_step: bool = False  # eval_do_concat_batches=False: the predictions as a list, one array per step
 
 
 # (loss, logits, labels, samples, the batch's main model input): prediction_step's, and what more evaluation needs
@@ -240,21 +241,41 @@ def _samples(labels: Any) -> int:
 
 
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
-    """Every rank's predictions (and labels), in dataset order, on every rank."""
-    local = (indices, *(joined(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
-             *(_concat(pieces) if pieces else None for pieces in (part.inputs, part.losses)))
+    """Every rank's predictions (and labels), in dataset order, on every rank: each one array, or with
+    part.per_step (Transformers' eval_do_concat_batches=False) a list of one array per step, a step being one batch
+    of every rank (batch k is rank k % R's: see shard), padded within the step only."""
+    pack = list if part.per_step else joined
+    local = (indices, *(pack(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
+             *(pack(pieces) if pieces else None for pieces in (part.inputs, part.losses)))
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_shards(shards)
+    if part.per_step:
+        return EvalPrediction(*(_steps([s[i] for s in shards]) for i in (1, 2, 4, 5)))
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     # Whether there are labels (inputs, losses) is every rank's question alike: a rank without samples has none.
     preds, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in (1, 2, 4, 5))
     return EvalPrediction(joined(preds, order), *(joined(x, order) if x else None for x in (labels, inputs, losses)))
 
 
+def _steps(ranks: list[list[Any] | None]) -> list[Any] | None:
+    """Each rank's batches, one list per rank, as one array per step: the s-th batch of every rank, rank order."""
+    batches = [r for r in ranks if r]
+    if not batches:
+        return None
+    return [joined([mine[s] for mine in batches if s < len(mine)]) for s in range(max(map(len, batches)))]
+
+
+def _count(gathered: Any) -> int:
+    """The samples of a rank's gathered predictions or labels: one array (a tuple of them), or a list of those."""
+    if gathered is None:
+        return 0
+    return sum(map(_samples, gathered)) if isinstance(gathered, list) else _samples(gathered)
+
+
 def _check_shards(shards: list[tuple]) -> None:
     """A prediction for every sample dealt to a rank, and labels for every prediction or for none (each rank sees
     every shard, so all raise alike, no hang)."""
-    counts = [(0 if s[1] is None else len(s[1]), 0 if s[2] is None else _samples(s[2])) for s in shards]
+    counts = [(_count(s[1]), _count(s[2])) for s in shards]
     for rank, ((indices, _, _, dealt, *_), (predictions, _)) in enumerate(zip(shards, counts)):
         if predictions != len(indices) or not dealt:
             read = f"predicted {predictions} samples, not" if predictions != len(indices) else "read other samples than"
