@@ -114,9 +114,10 @@ def test_an_override_that_gives_a_rank_other_samples_fails_on_every_rank(tmp_pat
 
 
 def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, local_world):
-    """dataloader_pin_memory (on GPUs only), dataloader_persistent_workers and dataloader_prefetch_factor, as
-    Transformers passes them; with two workers the weights are those of loading in the main process. Worker
-    settings without workers are refused, as torch's DataLoader would at the first epoch."""
+    """dataloader_pin_memory (on GPUs only), dataloader_persistent_workers, dataloader_prefetch_factor and
+    dataloader_multiprocessing_context, as Transformers passes them; with two workers, or one started by spawn, the
+    weights are those of loading in the main process. Worker settings without workers are refused, as torch's
+    DataLoader would at the first epoch."""
     from conftest import params_of
 
     from ddpkit.args import ArgumentError, TrainingArguments
@@ -124,7 +125,8 @@ def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, lo
 
     found = []
     for name, kw in (("main", {}), ("workers", dict(dataloader_num_workers=2, dataloader_persistent_workers=True,
-                                                      dataloader_prefetch_factor=3, dataloader_pin_memory=False))):
+                                                      dataloader_prefetch_factor=3, dataloader_pin_memory=False)),
+                     ("spawned", dict(dataloader_num_workers=1, dataloader_multiprocessing_context="spawn"))):
         torch.manual_seed(0)
         args = trainer_args(tmp_path / name, per_device_train_batch_size=4, max_steps=4, **kw)
         trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(12))
@@ -133,18 +135,24 @@ def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, lo
         on_gpu = dataclasses.replace(trainer.world, device=torch.device("cuda", 0))  # how a GPU rank's loaders pin
         for make in (trainer.get_train_dataloader, lambda: trainer.get_test_dataloader(classification_data(4))):
             trainer.world, kept = on_gpu, trainer.world
-            assert make().pin_memory is not bool(kw)  # dataloader_pin_memory, True by default
+            assert make().pin_memory is (name != "workers")  # dataloader_pin_memory, True by default
             trainer.world = kept
-        if kw:
+        if name == "workers":
             assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+        if name == "spawned":  # its workers unpickle the dataset and the collator (no closure): they load alike
+            assert loader.multiprocessing_context.get_start_method() == "spawn"
         trainer.train()
         found.append(params_of(trainer.model))
-    for a, b in zip(*found):
-        assert (a == b).all()
+    for other in found[1:]:
+        assert all((a == b).all() for a, b in zip(found[0], other))
     with pytest.raises(ArgumentError, match="dataloader_prefetch_factor: needs worker processes"):
         TrainingArguments(output_dir=str(tmp_path), dataloader_prefetch_factor=2)
     with pytest.raises(ArgumentError, match="dataloader_persistent_workers: needs worker processes"):
         TrainingArguments(output_dir=str(tmp_path), dataloader_persistent_workers=True)
+    with pytest.raises(ArgumentError, match="dataloader_multiprocessing_context: needs worker processes"):
+        TrainingArguments(output_dir=str(tmp_path), dataloader_multiprocessing_context="spawn")
+    with pytest.raises(ArgumentError, match="dataloader_multiprocessing_context: must be fork, spawn or forkserver"):
+        TrainingArguments(output_dir=str(tmp_path), dataloader_num_workers=1, dataloader_multiprocessing_context="x")
     parsed, = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"])
     assert parsed.dataloader_pin_memory is False

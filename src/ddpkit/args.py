@@ -110,6 +110,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
                                                         "dataloader_num_workers > 0).")
     dataloader_prefetch_factor: int | None = _field(None, "Batches each worker loads ahead (needs "
                                                           "dataloader_num_workers > 0; torch's default 2).")
+    dataloader_multiprocessing_context: str | None = _field(None, "How loader workers start: fork, spawn or "
+                                                                  "forkserver (needs dataloader_num_workers > 0; "
+                                                                  "torch's default when unset).")
     bf16: bool = _field(False, "Run forward passes under bfloat16 autocast (CPU and recent GPUs).")
     # Transformers' fp16, torch_compile and optim flags (ddpkit.precision, ddpkit.wrap, ddpkit.optim):
     fp16: bool = _field(False, "float16 autocast with a gradient scaler (torch.amp.GradScaler): the loss is scaled, "

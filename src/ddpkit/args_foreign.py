@@ -18,7 +18,7 @@ _TRACKING = "ddpkit reports to tensorboard only (report_to)"
 _LOGS = "ddpkit logs on rank 0; every rank's output is in the launcher's files (ddpkit launch --log-dir)"
 _EVAL = "ddpkit's evaluation gathers every rank's predictions, in dataset order, for compute_metrics on every rank"
 _NOT_YET = "ddpkit's Trainer does not implement it"
-_LOADER = "ddpkit's Trainer builds its DataLoaders with torch's default worker start method, in order"
+_LOADER = "ddpkit's Trainer takes its batches in order: a resume continues at the exact next sample"
 
 # name -> (Transformers' default, what to do instead)
 FOREIGN: dict[str, tuple[Any, str]] = {
@@ -39,7 +39,7 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "eval_use_gather_object": (False, _EVAL),
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
-    "dataloader_multiprocessing_context": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
+    "dataloader_in_order": (True, _LOADER),
     "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing"),

@@ -11,7 +11,7 @@ feature extractor as processing_class, the Trainer pads with it instead (default
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,23 +101,29 @@ def without_unused_columns(collate: Callable, model: nn.Module,
     """`collate` on samples whose mapping keys the model's forward does not take are dropped first (samples that
     are not mappings pass whole), as Transformers' RemoveColumnsCollator; raises naming the keys when a sample
     would keep none."""
-    keep = forward_columns(model, label_names)
-    name = type(model).__name__
+    return UsedColumns(collate, forward_columns(model, label_names), type(model).__name__)
 
-    def collate_used(features: Sequence[Any]) -> Any:
+
+class UsedColumns:
+    """without_unused_columns' collator: an object, not a closure, so that loader workers started by spawn or
+    forkserver (dataloader_multiprocessing_context) can unpickle it."""
+
+    def __init__(self, collate: Callable, keep: Collection[str], model_name: str):
+        self.collate, self.keep, self.model_name = collate, frozenset(keep), model_name
+
+    def __call__(self, features: Sequence[Any]) -> Any:
         kept = []
         for feature in features:
             if isinstance(feature, Mapping):
-                used = {k: v for k, v in feature.items() if k in keep}
+                used = {k: v for k, v in feature.items() if k in self.keep}
                 if feature and not used:
                     raise ValueError(f"no key of the samples ({', '.join(map(str, feature))}) is an argument of "
-                                     f"{name}.forward ({', '.join(sorted(keep))}); rename them, or set "
-                                     "remove_unused_columns=False to pass them all")
+                                     f"{self.model_name}.forward ({', '.join(sorted(self.keep))}); rename them, or "
+                                     "set remove_unused_columns=False to pass them all")
                 feature = used
             kept.append(feature)
-        return collate(kept)
-
-    return collate_used
+        return self.collate(kept)
 
 
-__all__ = ["check_collator", "default_collator", "default_data_collator", "forward_columns", "without_unused_columns"]
+__all__ = ["UsedColumns", "check_collator", "default_collator", "default_data_collator", "forward_columns",
+           "without_unused_columns"]

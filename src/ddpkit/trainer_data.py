@@ -75,7 +75,8 @@ class DataMixin:
         # Its workers are out of the stop's way (ddpkit.loader_workers).
         a = self.args
         if a.dataloader_num_workers > 0:
-            kw.update(persistent_workers=a.dataloader_persistent_workers, prefetch_factor=a.dataloader_prefetch_factor)
+            kw.update(persistent_workers=a.dataloader_persistent_workers, prefetch_factor=a.dataloader_prefetch_factor,
+                      multiprocessing_context=a.dataloader_multiprocessing_context)
         return SparedLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self._collate(),
                             num_workers=a.dataloader_num_workers, generator=generator,
                             pin_memory=a.dataloader_pin_memory and self.world.device.type == "cuda", **kw)

@@ -167,7 +167,10 @@ def _validate_loaders(args: Any, need: Callable[[bool, str, str], None]) -> None
          "must be random, sequential or group_by_length (Transformers' batch_rebalance is not ddpkit's: "
          "group_by_length batches samples of similar length together)")
     need(args.dataloader_num_workers >= 0, "dataloader_num_workers", "must be >= 0")
-    for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):  # torch's DataLoader refuses them
+    need(args.dataloader_multiprocessing_context in (None, "fork", "spawn", "forkserver"),
+         "dataloader_multiprocessing_context", "must be fork, spawn or forkserver, or unset")
+    for name in ("dataloader_persistent_workers", "dataloader_prefetch_factor",  # torch's DataLoader refuses them
+                 "dataloader_multiprocessing_context"):
         need(args.dataloader_num_workers > 0 or getattr(args, name) in (None, False), name,
              "needs worker processes: set dataloader_num_workers > 0")
     need(args.dataloader_prefetch_factor is None or args.dataloader_prefetch_factor >= 1, "dataloader_prefetch_factor",
