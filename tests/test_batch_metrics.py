@@ -39,8 +39,9 @@ class Accuracy:
         self.calls.append((logits[:, 0].long().tolist(), compute_result, type(logits).__name__))
         self.right += int((logits[:, 1:].argmax(-1) + 1 == labels).sum())
         self.seen += len(labels)
-        if compute_result:
-            return {"accuracy": self.right / self.seen, "samples": self.seen}
+        if compute_result:  # the result, and a fresh start for the next evaluation
+            result, self.right, self.seen = {"accuracy": self.right / self.seen, "samples": self.seen}, 0, 0
+            return result
 
 
 def at_the_end(prediction):
@@ -57,9 +58,10 @@ def batched_world(world, out, n):
                             remove_unused_columns=False)
         trainer = Trainer(Echo(), args, compute_metrics=metric)
         metrics = trainer.evaluate(classification_data(n))
-        predicted = trainer.predict(classification_data(n))
+        predicted = trainer.predict(classification_data(n + 3, seed=1))  # another set, after the first
         results[batched] = {k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_samples", "eval_loss")}
-        results[batched]["test"] = {k: v for k, v in predicted.metrics.items() if k in ("test_accuracy", "test_loss")}
+        results[batched]["test"] = {k: v for k, v in predicted.metrics.items()
+                                    if k in ("test_accuracy", "test_samples", "test_loss")}
         results[batched]["order"] = predicted.predictions[:, 0].astype(int).tolist()
         if batched:
             results["calls"] = metric.calls
@@ -70,16 +72,17 @@ def batched_world(world, out, n):
 def test_each_step_gets_its_batches_in_dataset_order_and_the_metrics_match_the_end(tmp_path, world_size, n):
     outcome = run_world(batched_world, world_size, args=(str(tmp_path), n), deadline_s=120)
     step = 2 * world_size  # samples a step holds: one batch of 2 on every rank
-    steps = -(-n // step)
     for results in outcome:
         calls = results["calls"]
         # evaluate's steps, then predict's: the step's samples in dataset order, compute_result at the last only
-        assert len(calls) == 2 * steps, calls
-        for run in (calls[:steps], calls[steps:]):
-            assert [c[0] for c in run] == [list(range(s, min(s + step, n))) for s in range(0, n, step)], run
-            assert [c[1] for c in run] == [False] * (steps - 1) + [True] and {c[2] for c in run} == {"Tensor"}
+        steps = -(-n // step)
+        assert len(calls) == steps + -(-(n + 3) // step), calls
+        for run, size in ((calls[:steps], n), (calls[steps:], n + 3)):
+            assert [c[0] for c in run] == [list(range(s, min(s + step, size))) for s in range(0, size, step)], run
+            assert [c[1] for c in run] == [False] * (len(run) - 1) + [True] and {c[2] for c in run} == {"Tensor"}
         assert results[True] == results[False] and results[True]["eval_samples"] == n
-        assert results[True]["order"] == list(range(n))  # predict still returns every prediction, in order
+        assert results[True]["test"]["test_samples"] == n + 3
+        assert results[True]["order"] == list(range(n + 3))  # predict still returns every prediction, in order
     assert all(r == outcome[0] for r in outcome)
 
 
@@ -109,6 +112,40 @@ def test_a_loader_with_other_batches_is_refused_on_every_rank_before_any_step(tm
         assert "rank 1's loader has 4 batches, not the 2 batches ddpkit dealt it" in count, count
         assert "rank 1's loader reads other samples than the 2 batches ddpkit dealt it" in other, other
         assert "keep super()'s sampler" in count and "keep super()'s sampler" in other
+
+
+class Unsized:
+    """A loader without a length (a wrapper): only the count at the end can tell that it stopped early."""
+
+    def __init__(self, loader, batches):
+        self.loader, self.batches = loader, batches
+
+    def __iter__(self):
+        return iter(list(self.loader)[:self.batches])
+
+
+def uncounted_world(world, out):
+    """Rank 1's unsized loader stops after one of its two batches; then a set whose last batches have no labels."""
+    class Short(Trainer):
+        def get_eval_dataloader(self, eval_dataset=None):
+            loader = super().get_eval_dataloader(eval_dataset)
+            return Unsized(loader, 1) if self.world.rank == 1 and len(eval_dataset) == 8 else loader
+
+    args = trainer_args(out, per_device_eval_batch_size=2, batch_eval_metrics=True, remove_unused_columns=False)
+    trainer = Short(Echo(), args, compute_metrics=Accuracy())
+    told = []
+    unlabelled = [dict(s, labels=None) if i >= 6 else s for i, s in enumerate(classification_data(10))]
+    for data in (classification_data(8), [{k: v for k, v in s.items() if v is not None} for s in unlabelled]):
+        with pytest.raises(ValueError) as raised:
+            trainer.evaluate(data)
+        told.append(str(raised.value))
+    return told
+
+
+def test_a_rank_short_of_batches_or_labels_that_stop_are_refused_on_every_rank(tmp_path):
+    for short, mixed in run_world(uncounted_world, 2, args=(str(tmp_path),), deadline_s=60):
+        assert "rank 1 predicted 2 samples, not the 4 ddpkit dealt it" in short, short
+        assert "some batches of the dataset have labels and some do not" in mixed, mixed
 
 
 def test_compute_metrics_without_compute_result_is_refused(tmp_path, local_world):

@@ -101,7 +101,7 @@ class EvaluationMixin:
             part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
                                          self.args.include_for_metrics, each=steps)
         if steps is not None:
-            part.step_metrics = steps.finish()
+            part.step_metrics = steps.finish(len(mine))
         part.per_step = not self.args.eval_do_concat_batches
         if want_predictions:  # checked on every rank where the predictions are gathered, read only there
             part.dealt = evaluation.reads(loader, dataset, mine)
