@@ -53,8 +53,8 @@ def test_a_script_reads_a_foreign_field_at_transformers_default_and_cannot_set_a
     assert args.debug == [] and args.activation_checkpointing is False
     args.debug.append("underflow_overflow")
     assert args.debug == []  # a fresh copy each read
-    args.eval_delay = 0  # the default: nothing to refuse, nothing kept
-    assert "eval_delay" not in vars(args)
+    args.eval_use_gather_object = False  # the default: nothing to refuse, nothing kept
+    assert "eval_use_gather_object" not in vars(args)
     with pytest.raises(ForeignArgument, match="eval_use_gather_object=True"):
         args.eval_use_gather_object = True
     assert args.eval_use_gather_object is False

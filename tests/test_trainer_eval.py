@@ -224,3 +224,22 @@ def test_eval_do_concat_batches_false_gives_one_array_per_step_padded_within_the
             np.testing.assert_array_equal(_padded(parts.label_ids), one.label_ids)
         np.testing.assert_array_equal(_padded(steps.inputs), whole.inputs)
         np.testing.assert_array_equal(np.concatenate(steps.losses), whole.losses)
+
+
+def test_eval_delay_holds_the_scheduled_evaluations_back_in_steps_or_epochs(tmp_path, local_world):
+    """Transformers' eval_delay: no scheduled evaluation before that many steps (or epochs, under eval_strategy
+    epoch) have passed; the final one too."""
+    from ddpkit.args import ArgumentError, TrainingArguments
+
+    found = {}
+    for name, kw in (("steps", dict(eval_strategy="steps", eval_steps=2, eval_delay=5, max_steps=9)),
+                     ("epoch", dict(eval_strategy="epoch", eval_delay=1.5, num_train_epochs=3))):
+        args = trainer_args(tmp_path / name, per_device_train_batch_size=4, **kw)
+        trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(8),
+                          eval_dataset=classification_data(4))
+        trainer.train()
+        found[name] = [(e["step"], e["epoch"]) for e in trainer.state.log_history if "eval_loss" in e]
+    assert [step for step, _ in found["steps"]] == [6, 8, 9]  # 2 and 4 held back; 9, the last, evaluated
+    assert [epoch for _, epoch in found["epoch"]] == [2.0, 3.0]
+    with pytest.raises(ArgumentError, match="eval_delay: must be >= 0"):
+        TrainingArguments(output_dir=str(tmp_path), eval_delay=-1)

@@ -71,6 +71,8 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     logging_first_step: bool = _field(False, "Also log the loss of the first optimizer step.")
     eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
     eval_steps: float | None = _field(None, "Evaluate every N optimizer steps; defaults to logging_steps.")
+    eval_delay: float = _field(0, "No scheduled evaluation before this many steps (eval_strategy steps) or epochs "
+                                  "(epoch) have passed.")
     save_strategy: str = _field("steps", "When to checkpoint: no, steps (every save_steps), epoch, or best (after "
                                          "an evaluation that beats the best metric_for_best_model so far).",
                                 choices=SAVE_STRATEGIES)

@@ -197,6 +197,9 @@ class EvaluationMixin:
         moment = "step" if step_end else "final" if final else "epoch"
         evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
                              self.state.save_steps, evaluated=self.state.logged_at(self._evaluation_key(), step))
+        # eval_delay: Transformers' rule, in epochs under eval_strategy epoch, else in steps
+        evaluate = evaluate and self.args.eval_delay <= (self.state.epoch if self.args.eval_strategy == "epoch"
+                                                         else step)
         evaluate = evaluate or self.control.should_evaluate  # the control is agreed
         self.control.should_evaluate = False
         new_best = False

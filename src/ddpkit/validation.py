@@ -157,6 +157,7 @@ def _validate_scheduler_kwargs(args: Any, need: Callable[[bool, str, str], None]
 
 
 def _validate_evaluation(args: Any, need: Callable[[bool, str, str], None]) -> None:
+    need(args.eval_delay >= 0, "eval_delay", "must be >= 0 (steps or epochs before the first evaluation)")
     need(set(args.include_for_metrics) <= {"inputs", "loss"}, "include_for_metrics", "takes inputs and loss only")
     need(args.eval_accumulation_steps is None or args.eval_accumulation_steps >= 1, "eval_accumulation_steps",
          "must be >= 1, or unset")
