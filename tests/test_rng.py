@@ -132,3 +132,45 @@ def test_files_of_numpy_1_and_2_load_under_either(tmp_path, monkeypatch):
             set_rng_state(torch.load(tmp_path / name, weights_only=True))
         assert _draw() == drawn, name
 
+
+
+@pytest.fixture
+def determinism_restored(monkeypatch):
+    """set_seed(deterministic=True) changes process-wide settings: put them back for the tests that follow."""
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)
+    cudnn = torch.backends.cudnn
+    was = (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(was[0])
+    cudnn.deterministic, cudnn.benchmark = was[1:]
+
+
+def test_set_seed_deterministic_seeds_alike_and_keeps_torch_to_deterministic_kernels(determinism_restored,
+                                                                                      monkeypatch):
+    import os
+
+    from ddpkit.rng import set_seed
+
+    set_seed(3)
+    plain = _draw()
+    assert not torch.are_deterministic_algorithms_enabled()
+    set_seed(3, deterministic=True)
+    assert _draw() == plain
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's choice stays
+    set_seed(3, deterministic=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_the_trainer_s_full_determinism_sets_it(tmp_path, determinism_restored, local_world):
+    from conftest import Classifier, trainer_args
+
+    from ddpkit.trainer import Trainer
+
+    Trainer(Classifier(), trainer_args(tmp_path))
+    assert not torch.are_deterministic_algorithms_enabled()
+    Trainer(Classifier(), trainer_args(tmp_path, full_determinism=True))
+    assert torch.are_deterministic_algorithms_enabled()

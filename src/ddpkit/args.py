@@ -99,6 +99,9 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
     use_cpu: bool = _field(False, "Train on the CPU (gloo) even where an accelerator is visible.")
     seed: int = _field(42, "Random seed set on every process at the start (model init, dropout).")
     data_seed: int | None = _field(None, "Seed of the data shuffling; defaults to seed.")
+    full_determinism: bool = _field(False, "Seed, and run deterministic kernels only (torch."
+                                           "use_deterministic_algorithms, cuDNN deterministic, cuBLAS's workspace): "
+                                           "slower, bitwise repeatable.")
     dataloader_num_workers: int = _field(0, "Worker processes per data loader (0: load in the main process).")
     dataloader_drop_last: bool = _field(False, "Drop each process's last incomplete training batch.")
     train_sampling_strategy: str = _field("random", "The training order: random (shuffled anew each epoch, from "

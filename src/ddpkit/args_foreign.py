@@ -43,8 +43,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "ignore_data_skip": (False, "a resume continues at the exact next sample, without replaying the data"),
     "activation_checkpointing": (None, "use gradient_checkpointing"),
     "activation_checkpointing_kwargs": (None, "use gradient_checkpointing"),
-    "full_determinism": (False, "ddpkit seeds every rank (seed, data_seed); set torch.use_deterministic_algorithms "
-                                "yourself for deterministic kernels"),
     "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
     "debug": ("", "ddpkit explains a stalled collective itself (ddp_stall_seconds)"),
     **{name: (default, _NOT_YET) for name, default in (

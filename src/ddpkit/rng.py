@@ -4,12 +4,14 @@
     set_rng_state(state)       # right before training goes on
     with numpy_allowed(): torch.load(path, weights_only=True)   # numpy's state inside, as Transformers loads it
     set_seed(42)               # python, numpy and torch seeded alike (the Trainer's args.seed)
+    set_seed(42, deterministic=True)   # and deterministic kernels only (the Trainer's full_determinism)
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -18,11 +20,22 @@ import numpy as np
 import torch
 
 
-def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch (every device) in this process."""
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (every device) in this process; deterministic (Transformers' argument, and its
+    full_determinism): also restrict torch to deterministic kernels (an operation that has none raises), cuDNN to
+    its deterministic algorithms without autotuning, cuBLAS to a fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless
+    set; it counts only before CUDA starts) and flash attention to its deterministic backward. Unlike
+    Transformers' full_determinism, CUDA_LAUNCH_BLOCKING is left alone: it serialises every kernel and adds nothing
+    to determinism since CUDA 10.2."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 def rng_state() -> dict[str, Any]:

@@ -94,7 +94,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         # SIGTERM or the first Ctrl-C set it while training; the ranks agree on it at the next window.
         self._stop = StopRequest(announce=self.world.is_main)
         self._loss = RunningLoss()
-        set_seed(args.seed)
+        set_seed(args.seed, args.full_determinism)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model_init = model_init
         self._take_model(model_from(model, model_init, optimizers))
@@ -217,7 +217,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         """
         check_train_data(self.train_dataset, self.world.world_size)
         if self.model_init is not None:  # as Transformers: each call trains a fresh model of model_init's, seeded
-            set_seed(self.args.seed)
+            set_seed(self.args.seed, self.args.full_determinism)
             self._take_model(model_from(None, self.model_init))
             self.optimizer, self.lr_scheduler, self._made_scheduler = None, None, False
         lock = resume.claim_output_dir(self.args.output_dir, self.comm, self.world.is_main)
