@@ -160,9 +160,12 @@ def test_set_seed_deterministic_seeds_alike_and_keeps_torch_to_deterministic_ker
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's choice stays
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's choice stays, where torch takes it
     set_seed(3, deterministic=True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # torch's deterministic cuBLAS would refuse it
+    set_seed(3, deterministic=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_the_trainer_s_full_determinism_sets_it(tmp_path, determinism_restored, local_world):
@@ -170,7 +173,13 @@ def test_the_trainer_s_full_determinism_sets_it(tmp_path, determinism_restored, 
 
     from ddpkit.trainer import Trainer
 
+    from conftest import classification_data
+
     Trainer(Classifier(), trainer_args(tmp_path))
     assert not torch.are_deterministic_algorithms_enabled()
-    Trainer(Classifier(), trainer_args(tmp_path, full_determinism=True))
+    args = trainer_args(tmp_path, full_determinism=True, max_steps=2, per_device_train_batch_size=4)
+    trainer = Trainer(args=args, model_init=lambda: Classifier().double(), train_dataset=classification_data(8))
     assert torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    trainer.train()  # model_init's model is made anew, seeded as the construction seeded it
+    assert torch.are_deterministic_algorithms_enabled() and trainer.state.global_step == 2

@@ -35,7 +35,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "skip_memory_metrics": (True, "ddpkit reports no memory metrics"),
     "average_tokens_across_devices": (True, "ddpkit always divides the loss by the items of every rank's batches "
                                             "(the loss one process would compute over the global batch)"),
-
     "eval_use_gather_object": (False, _EVAL),
     "bf16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),
     "fp16_full_eval": (False, "evaluation runs under the training precision (bf16 or fp16 autocast)"),

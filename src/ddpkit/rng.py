@@ -23,15 +23,17 @@ import torch
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (every device) in this process; deterministic (Transformers' argument, and its
     full_determinism): also restrict torch to deterministic kernels (an operation that has none raises), cuDNN to
-    its deterministic algorithms without autotuning, cuBLAS to a fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless
-    set; it counts only before CUDA starts) and flash attention to its deterministic backward. Unlike
+    its deterministic algorithms without autotuning, cuBLAS to a fixed workspace (CUBLAS_WORKSPACE_CONFIG :16:8,
+    unless it is :4096:8 already, the other value torch takes; read at the first cuBLAS call) and flash attention
+    to its deterministic backward. Unlike
     Transformers' full_determinism, CUDA_LAUNCH_BLOCKING is left alone: it serialises every kernel and adds nothing
     to determinism since CUDA 10.2."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":16:8", ":4096:8"):  # torch refuses any other
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
         os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
