@@ -243,3 +243,25 @@ def test_eval_delay_holds_the_scheduled_evaluations_back_in_steps_or_epochs(tmp_
     assert [epoch for _, epoch in found["epoch"]] == [2.0, 3.0]
     with pytest.raises(ArgumentError, match="eval_delay: must be >= 0"):
         TrainingArguments(output_dir=str(tmp_path), eval_delay=-1)
+
+
+def rebatched_world(world, out):
+    """predict per step where the loader keeps ddpkit's sampler but batches it one sample at a time."""
+    from ddpkit.collator import default_data_collator
+
+    class OneByOne(Trainer):
+        def get_test_dataloader(self, test_dataset):
+            dealt = super().get_test_dataloader(test_dataset).sampler
+            return torch.utils.data.DataLoader(test_dataset, collate_fn=default_data_collator,
+                                               batch_sampler=torch.utils.data.BatchSampler(dealt, 1, False))
+
+    args = trainer_args(out, per_device_eval_batch_size=2, eval_do_concat_batches=False)
+    with pytest.raises(ValueError) as raised:
+        OneByOne(Classifier().double(), args).predict(classification_data(8))
+    return str(raised.value)
+
+
+def test_per_step_predictions_refuse_a_loader_that_batches_otherwise(tmp_path):
+    for told in run_world(rebatched_world, 2, args=(str(tmp_path),), deadline_s=60):
+        assert "rank 0 made batches of [1, 1, 1, 1] samples where ddpkit dealt it [2, 2]" in told, told
+        assert "keep super()'s batches" in told

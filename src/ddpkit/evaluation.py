@@ -100,6 +100,7 @@ class Part:
     losses: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "loss"
     step_metrics: dict[str, Any] | None = None  # batch_eval_metrics: what compute_metrics returned at the last step
     per_step: bool = False  # eval_do_concat_batches=False: the predictions as a list, one array per step
+    batch_size: int = 1  # of the batches shard dealt (per_step checks that the loader kept them)
 
 
 # (loss, logits, labels, samples, the batch's main model input): prediction_step's, and what more evaluation needs
@@ -250,6 +251,7 @@ def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPredic
     shards = gather_objects(comm, local, "evaluation predictions")
     _check_shards(shards)
     if part.per_step:
+        _check_batches(shards, part.batch_size)
         return EvalPrediction(*(_steps([s[i] for s in shards]) for i in (1, 2, 4, 5)))
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     # Whether there are labels (inputs, losses) is every rank's question alike: a rank without samples has none.
@@ -263,6 +265,18 @@ def _steps(ranks: list[list[Any] | None]) -> list[Any] | None:
     if not batches:
         return None
     return [joined([mine[s] for mine in batches if s < len(mine)]) for s in range(max(map(len, batches)))]
+
+
+def _check_batches(shards: list[tuple], batch_size: int) -> None:
+    """Per step, the s-th batch of every rank: each rank's loader must have batched its samples as dealt (batches of
+    batch_size, only the dataset's last one short), or a step would mix other samples (every rank raises alike)."""
+    for rank, (indices, predictions, *_) in enumerate(shards):
+        made = [len(batch) for batch in predictions or ()]
+        dealt = [len(indices[i:i + batch_size]) for i in range(0, len(indices), batch_size)]
+        if predictions is not None and made != dealt:
+            raise ValueError(f"rank {rank} made batches of {made} samples where ddpkit dealt it {dealt}: with "
+                             "eval_do_concat_batches=False each step is one batch of every rank, so an overridden "
+                             "get_eval_dataloader or get_test_dataloader must keep super()'s batches")
 
 
 def _count(gathered: Any) -> int:
