@@ -78,7 +78,7 @@ def test_fractional_intervals_and_derived_values():
     # Transformers 5: a warmup_steps below 1 is a ratio of the total steps (ddpkit refused it as not whole).
     assert TrainingArguments(warmup_steps=0.1, warmup_ratio=0.5).warmup_steps_for(95) == 10
     assert parse_args(["--warmup_steps", "0.25"]).warmup_steps_for(10) == 3
-    assert args.train_batch_size(world_size=2) == 24
+    assert args.global_train_batch_size(world_size=2) == 24
     assert TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.2,
                              save_steps=0.6).save_steps == 0.6  # 3 x 0.2, compared in millionths
     whole = TrainingArguments(save_steps=4.0).save_steps
@@ -216,7 +216,7 @@ def test_valid_values_survive_the_command_line(lr, bs, accum, steps, ratio, seed
     assert args == TrainingArguments(learning_rate=lr, per_device_train_batch_size=bs,
                                      gradient_accumulation_steps=accum, max_steps=steps, warmup_ratio=ratio,
                                      seed=seed, max_grad_norm=clip)
-    assert args.train_batch_size(world_size=2) == 2 * bs * accum
+    assert args.global_train_batch_size(world_size=2) == 2 * bs * accum
 
 
 def test_args_module_imports_only_the_rank_question_of_env():

@@ -118,3 +118,15 @@ def test_a_dict_of_transformers_arguments_and_a_subclass_are_read_as_transformer
     assert Script(output_dir=str(tmp_path), push_to_hub=False, extra=4).extra == 4
     with pytest.raises(ForeignArgument, match="ddp_zero_stage"):
         Script(output_dir=str(tmp_path), fsdp="full_shard")
+
+
+def test_the_batch_sizes_a_script_reads_are_transformers_properties(tmp_path):
+    """Transformers' run_clm.py computes `training_args.train_batch_size * gradient_accumulation_steps *
+    world_size`: a number per process, as there (ddpkit's was a method of the global batch: a TypeError)."""
+    import transformers
+
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=6, per_device_eval_batch_size=5,
+              gradient_accumulation_steps=2, use_cpu=True)
+    ours, theirs = TrainingArguments(**kw), transformers.TrainingArguments(**kw)
+    assert (ours.train_batch_size, ours.eval_batch_size) == (theirs.train_batch_size, theirs.eval_batch_size) == (6, 5)
+    assert ours.train_batch_size * ours.gradient_accumulation_steps * 2 == ours.global_train_batch_size(2) == 24

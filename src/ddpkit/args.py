@@ -223,7 +223,18 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
         validate(self)
 
     # -- derived values -----------------------------------------------------------------------------------------
-    def train_batch_size(self, world_size: int = 1) -> int:
+    @property
+    def train_batch_size(self) -> int:
+        """Transformers': the samples one process trains on per forward (per_device_train_batch_size; one device a
+        process). Scripts multiply it by gradient_accumulation_steps and world_size."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Transformers': the samples one process evaluates per forward (per_device_eval_batch_size)."""
+        return self.per_device_eval_batch_size
+
+    def global_train_batch_size(self, world_size: int = 1) -> int:
         """Global samples per optimizer step: per-device batch x processes x accumulation."""
         return self.per_device_train_batch_size * world_size * self.gradient_accumulation_steps
 

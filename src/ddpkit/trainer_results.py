@@ -118,7 +118,7 @@ class ResultsMixin:
         return {"learning_rate": args.learning_rate, "train_batch_size (per process)": args.per_device_train_batch_size,
                 "eval_batch_size (per process)": args.per_device_eval_batch_size, "processes": world,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "total_train_batch_size": args.train_batch_size(world), "seed": args.seed,
+                "total_train_batch_size": args.global_train_batch_size(world), "seed": args.seed,
                 "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else args.optim,
                 "lr_scheduler_type": args.lr_scheduler_type, "training_steps": self.state.global_step,
                 "epochs": round(self.state.epoch, 4), "mixed_precision": "bf16" if args.bf16 else
