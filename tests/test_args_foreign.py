@@ -130,3 +130,18 @@ def test_the_batch_sizes_a_script_reads_are_transformers_properties(tmp_path):
     ours, theirs = TrainingArguments(**kw), transformers.TrainingArguments(**kw)
     assert (ours.train_batch_size, ours.eval_batch_size) == (theirs.train_batch_size, theirs.eval_batch_size) == (6, 5)
     assert ours.train_batch_size * ours.gradient_accumulation_steps * 2 == ours.global_train_batch_size(2) == 24
+
+
+def test_the_helpers_a_script_calls_are_transformers(tmp_path):
+    import datetime
+
+    import transformers
+
+    kw = dict(output_dir=str(tmp_path), warmup_steps=0.1, ddp_timeout=90, report_to=["tensorboard"], use_cpu=True)
+    ours, theirs = TrainingArguments(**kw), transformers.TrainingArguments(**kw)
+    assert ours.get_warmup_steps(95) == theirs.get_warmup_steps(95) == 10
+    assert ours.ddp_timeout_delta == theirs.ddp_timeout_delta == datetime.timedelta(seconds=90)
+    mine, hf = ours.to_sanitized_dict(), theirs.to_sanitized_dict()
+    assert all(type(v) in (bool, int, float, str) for v in mine.values())
+    for name in ("report_to", "train_batch_size", "eval_batch_size", "learning_rate", "output_dir", "warmup_steps"):
+        assert mine[name] == hf[name], name

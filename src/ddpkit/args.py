@@ -244,6 +244,10 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
             return int(self.warmup_steps)
         return math.ceil((self.warmup_steps or self.warmup_ratio) * total_steps)
 
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Transformers' name for warmup_steps_for."""
+        return self.warmup_steps_for(num_training_steps)
+
     def interval(self, name: str, total_steps: int) -> int:
         """logging_steps, eval_steps or save_steps in optimizer steps (a fraction < 1 is of total_steps)."""
         value = getattr(self, name)
@@ -273,6 +277,12 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """Transformers': to_dict with the batch sizes, every value that is no bool, int, float or str as its
+        str (what a tracker's hyperparameter table takes)."""
+        found = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in found.items()}
 
 
 def trainer_arguments(args: Any) -> TrainingArguments:

@@ -15,6 +15,7 @@ meanings; log_on_each_node is Transformers' default (True) and log_level "passiv
 from __future__ import annotations
 
 import contextlib
+import datetime
 import enum
 import logging
 from collections.abc import Iterator
@@ -88,6 +89,11 @@ class ProcessMixin:
     def should_save(self) -> bool:
         """Whether this process writes checkpoints and files: rank 0."""
         return self.process_index == 0
+
+    @property
+    def ddp_timeout_delta(self) -> datetime.timedelta:
+        """ddp_timeout as a timedelta (Transformers' name; what init_process_group takes)."""
+        return datetime.timedelta(seconds=self.ddp_timeout)
 
     @property
     def push_to_hub(self) -> bool:
