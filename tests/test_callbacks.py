@@ -272,3 +272,23 @@ def on_evaluate_world(world, out):
 def test_a_save_asked_in_on_evaluate_is_made_after_that_evaluation(tmp_path):
     # Before, the save was decided (and the flags cleared) before the evaluation ran: no checkpoint at all.
     assert run_world(on_evaluate_world, world_size=2, args=(str(tmp_path),)) == [["checkpoint-4"]] * 2
+
+
+def test_the_handler_has_transformers_event_methods_for_subclasses_that_call_them():
+    class Seen(TrainerCallback):
+        def __init__(self):
+            self.got = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.got.append(logs)
+            control.should_save = True
+
+    seen = Seen()
+    handler = CallbackHandler([seen])
+    control = handler.on_log(None, None, TrainerControl(), {"loss": 1.0})
+    assert seen.got == [{"loss": 1.0}] and control.should_save
+    assert handler.on_save(None, None, TrainerControl()).should_save is False  # Seen has no on_save
+    with pytest.raises(TypeError, match=r"on_save takes \(args, state, control\)"):
+        handler.on_save(None, None, TrainerControl(), 5)
+    with pytest.raises(AttributeError, match="no attribute 'on_nothing'"):
+        handler.on_nothing  # noqa: B018

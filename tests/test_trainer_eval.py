@@ -265,3 +265,71 @@ def test_per_step_predictions_refuse_a_loader_that_batches_otherwise(tmp_path):
     for told in run_world(rebatched_world, 2, args=(str(tmp_path),), deadline_s=60):
         assert "rank 0 made batches of [1, 1, 1, 1] samples where ddpkit dealt it [2, 2]" in told, told
         assert "keep super()'s batches" in told
+
+
+class PostProcessed(Trainer):
+    """An evaluate of its own around evaluation_loop, written the way Transformers' question-answering example
+    trainer writes one: compute_metrics held back during the loop, then applied on the saving rank to predictions
+    post-processed (here: their argmax), the speed metrics from transformers, the event through callback_handler."""
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        import math
+        import time
+
+        from transformers.trainer_utils import speed_metrics
+
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        loader = self.get_eval_dataloader(dataset)
+        held, self.compute_metrics = self.compute_metrics, None
+        began = time.time()
+        try:
+            output = self.evaluation_loop(loader, description="Evaluation", prediction_loss_only=None,
+                                          ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self.compute_metrics = held
+        steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.args.world_size))
+        metrics = {**output.metrics, **speed_metrics(metric_key_prefix, began, output.num_samples, steps)}
+        if self.args.should_save:
+            chosen = ddpkit.EvalPrediction(output.predictions.argmax(-1), output.label_ids)
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in self.compute_metrics(chosen).items()})
+        if self.args.should_log:
+            self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+class Heard(ddpkit.TrainerCallback):
+    def __init__(self):
+        self.metrics = []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.append(dict(metrics))
+        control.should_training_stop = True
+
+
+def post_processed_world(world, out):
+    def chosen_accuracy(prediction):
+        return {"accuracy": float((prediction.predictions == prediction.label_ids).mean())}
+
+    def accuracy(prediction):
+        return chosen_accuracy(ddpkit.EvalPrediction(prediction.predictions.argmax(-1), prediction.label_ids))
+
+    torch.manual_seed(0)
+    heard = Heard()
+    args = trainer_args(out, per_device_eval_batch_size=2)
+    trainer = PostProcessed(Classifier().double(), args, compute_metrics=chosen_accuracy, callbacks=[heard])
+    theirs = Trainer(trainer.model, args, compute_metrics=accuracy).evaluate(classification_data(9))
+    mine = trainer.evaluate(classification_data(9))
+    trainer.compute_metrics = None  # its metric takes post-processed predictions
+    output = trainer.evaluation_loop(trainer.get_test_dataloader(classification_data(9)), "Prediction")
+    return (mine, theirs, heard.metrics, trainer.control.should_training_stop, output.num_samples,
+            output.predictions.shape, trainer.num_examples(trainer.get_eval_dataloader(classification_data(9))))
+
+
+def test_a_subclass_evaluates_through_evaluation_loop_and_fires_events_through_the_handler(tmp_path):
+    for rank, (mine, theirs, heard, stop, samples, shape, examples) in enumerate(
+            run_world(post_processed_world, 2, args=(str(tmp_path),), deadline_s=60)):
+        assert mine["eval_loss"] == theirs["eval_loss"] and (samples, shape, examples) == (9, (9, 3), 9)
+        if rank == 0:  # the saving rank post-processes: the accuracy ddpkit's own evaluate computes
+            assert mine["eval_accuracy"] == theirs["eval_accuracy"]
+        assert heard == [mine] and stop  # the handler called the callback and returned the control it set

@@ -22,10 +22,12 @@ the whole agreed window of micro-batches, so that their all-reduces match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from .comm import Comm, flags_of_main, max_over_ranks
 
+_POSITIONAL = {"on_evaluate": "metrics", "on_predict": "metrics", "on_log": "logs"}
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
           "on_prediction_step", "on_predict", "on_log", "on_save")
@@ -143,6 +145,23 @@ class CallbackHandler:
             if index < len(states):
                 for key, value in states[index].get("attributes", {}).items():
                     setattr(callback, key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        """Transformers' handler methods, which a Trainer subclass calls itself (its question-answering trainer:
+        `self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)`):
+        on_<event>(args, state, control, ...) calls every callback's and returns the control."""
+        if name in EVENTS:
+            return functools.partial(self._event, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _event(self, event: str, args: Any, state: Any, control: TrainerControl, *given: Any,
+               **kwargs: Any) -> TrainerControl:
+        if given:  # Transformers' positional extras: on_evaluate's and on_predict's metrics, on_log's logs
+            if event not in _POSITIONAL or len(given) > 1:
+                takes = ", ".join(["args", "state", "control", *([_POSITIONAL[event]] if event in _POSITIONAL else [])])
+                raise TypeError(f"{event} takes ({takes}) and keyword arguments, got {len(given)} more positional")
+            kwargs[_POSITIONAL[event]] = given[0]
+        return self.call(event, args, state, control, **kwargs)
 
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for callback in self.callbacks:

@@ -35,6 +35,16 @@ class EvalPrediction:
         return len(self.elements)
 
 
+class EvalLoopOutput(NamedTuple):
+    """What Trainer.evaluation_loop returns (Transformers' fields): the predictions and label_ids (None where not
+    gathered), the prefixed metrics without the speed, and the number of samples."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+    num_samples: int
+
+
 class PredictionOutput(NamedTuple):
     """What Trainer.predict returns: every sample's predictions once, in dataset order; label_ids where the
     batches had labels; the metrics (the loss where they had labels, compute_metrics', the speed)."""
@@ -154,4 +164,4 @@ TRANSFORMERS_FIELDS = ("epoch", "global_step", "max_steps", "logging_steps", "ev
                        "stateful_callbacks")
 
 
-__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState", "TRANSFORMERS_FIELDS"]
+__all__ = ["EvalLoopOutput", "EvalPrediction", "PredictionOutput", "TrainOutput", "TrainerState", "TRANSFORMERS_FIELDS"]

@@ -10,9 +10,10 @@ label_names, the eval dataset and loader, its callbacks, saves and its log.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,12 +23,13 @@ from torch.utils.data import Dataset
 from . import evaluation, model_io
 from .batch_metrics import StepMetrics
 from .plan import due
-from .state import EvalPrediction, PredictionOutput
+from .state import EvalLoopOutput, PredictionOutput
 from .timeline import CHECKPOINT, EVALUATION
 
 
 class EvaluationMixin:
     _unnamed_labels = True  # how prediction_step takes a list batch: evaluate's way (predict sets False)
+    _evaluated: Dataset | None = None  # the set evaluate or predict passes its loader of to evaluation_loop
 
     def evaluate(self, eval_dataset: Dataset | Mapping[str, Dataset] | None = None,
                  ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -45,13 +47,13 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         _check_ignore_keys(ignore_keys)
-        metric = None if self.args.prediction_loss_only else self.compute_metrics  # none: the loss only
-        part, mine, start = self._pass_over(dataset, "evaluate needs an eval_dataset", ignore_keys,
-                                            want_predictions=metric is not None)
-        at_end = None if part.step_metrics is not None else metric  # batch_eval_metrics: computed step by step
-        metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, at_end, self.world.device)
-        metrics.update(evaluation.prefixed(part.step_metrics or {}, metric_key_prefix))
-        self._add_speed(metrics, metric_key_prefix, start, len(dataset))
+        start = time.perf_counter()
+        loader = self.get_eval_dataloader(_needed(dataset, "evaluate needs an eval_dataset"))
+        with self._evaluating(dataset):
+            output = self.evaluation_loop(loader, "Evaluation", True if self.compute_metrics is None else None,
+                                          ignore_keys, metric_key_prefix)
+        metrics = output.metrics
+        self._add_speed(metrics, metric_key_prefix, start, output.num_samples)
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
         return metrics
@@ -62,25 +64,56 @@ class EvaluationMixin:
         every rank, with the labels and the loss where the batches have labels; call it on every rank. The
         predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
         _check_ignore_keys(ignore_keys)
-        loss_only = self.args.prediction_loss_only  # as Transformers: no predictions, no label_ids
-        part, mine, start = self._pass_over(test_dataset, "predict needs a test_dataset", ignore_keys,
-                                            want_predictions=not loss_only, unnamed_labels=False)
-        if loss_only:
-            prediction = EvalPrediction(None, None)
-            metrics = evaluation.over_ranks(self.comm, part, mine, metric_key_prefix, None, self.world.device)
-        else:
-            at_end = None if part.step_metrics is not None else self.compute_metrics
-            prediction, metrics = evaluation.predictions_over_ranks(self.comm, part, mine, metric_key_prefix,
-                                                                    at_end, self.world.device)
-            metrics.update(evaluation.prefixed(part.step_metrics or {}, metric_key_prefix))
-        self._add_speed(metrics, metric_key_prefix, start, len(test_dataset))
-        self._fire("on_predict", metrics=metrics)
-        return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
+        start = time.perf_counter()
+        loader = self.get_test_dataloader(_needed(test_dataset, "predict needs a test_dataset"))
+        with self._evaluating(test_dataset):
+            output = self.evaluation_loop(loader, "Prediction", None, ignore_keys, metric_key_prefix)
+        self._add_speed(output.metrics, metric_key_prefix, start, output.num_samples)
+        self._fire("on_predict", metrics=output.metrics)
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
-    def _pass_over(self, dataset: Dataset | None, need: str, ignore_keys: list[str] | None, want_predictions: bool,
-                   unnamed_labels: bool = True) -> tuple[evaluation.Part, list[int], float]:
-        """Every sample once over the ranks, the model in eval mode: this rank's part, its samples, the start.
-        Each batch goes through prediction_step, as in Transformers' evaluation loop."""
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Transformers': one pass over a loader of get_eval_dataloader or get_test_dataloader (which deal every
+        sample once over the ranks), the metrics prefixed, with neither the speed metrics, the log nor the event
+        (evaluate and predict add them; a subclass that evaluates its own way calls this, as Transformers'
+        question-answering trainer does). prediction_loss_only None: the arguments'; else without predictions,
+        label_ids nor compute_metrics. description "Prediction" takes a list batch's labels as predict does, and
+        keeps the predictions under batch_eval_metrics."""
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        # The set evaluate or predict was given (an overridden loader may read a Subset of it), else the loader's.
+        dataset = self._evaluated if self._evaluated is not None else getattr(dataloader, "dataset", None)
+        dataset = _needed(dataset, "evaluation_loop needs a loader of a dataset")
+        predicting = description == "Prediction"
+        part, mine = self._pass_over(dataloader, dataset, ignore_keys, not loss_only, unnamed_labels=not predicting)
+        comm, device = self.comm, self.world.device
+        predictions = labels = None
+        if loss_only or (part.step_metrics is not None and not predicting):  # no predictions kept
+            metrics = evaluation.over_ranks(comm, part, mine, metric_key_prefix, None, device)
+        else:
+            at_end = None if part.step_metrics is not None else self.compute_metrics  # batch_eval_metrics: done
+            prediction, metrics = evaluation.predictions_over_ranks(comm, part, mine, metric_key_prefix, at_end,
+                                                                    device)
+            predictions, labels = prediction.predictions, prediction.label_ids
+        metrics.update(evaluation.prefixed(part.step_metrics or {}, metric_key_prefix))
+        return EvalLoopOutput(predictions, labels, metrics, len(dataset))
+
+    @contextlib.contextmanager
+    def _evaluating(self, dataset: Dataset) -> Iterator[None]:
+        self._evaluated = dataset
+        try:
+            yield
+        finally:
+            self._evaluated = None
+
+    def num_examples(self, dataloader: Any) -> int:
+        """Transformers': the samples of the loader's dataset (over all ranks)."""
+        return len(dataloader.dataset)
+
+    def _pass_over(self, loader: Any, dataset: Dataset, ignore_keys: list[str] | None, want_predictions: bool,
+                   unnamed_labels: bool = True) -> tuple[evaluation.Part, list[int]]:
+        """Every sample once over the ranks, the model in eval mode: this rank's part and its samples. Each batch
+        goes through prediction_step, as in Transformers' evaluation loop."""
         def forward(batch: Any) -> evaluation.ForwardResult:
             # The batch as it came: prediction_step prepares it (once), as Transformers' evaluation loop has it.
             loss, logits, labels = self.prediction_step(self.model, batch, not want_predictions, ignore_keys)
@@ -89,13 +122,9 @@ class EvaluationMixin:
             return loss, logits, labels, model_io.batch_len(batch), main
 
         self._unnamed_labels = unnamed_labels
-        if dataset is None or len(dataset) == 0:
-            raise ValueError(f"Trainer.{need} with at least one sample")
-        start = time.perf_counter()
         # Whole batches of one process's evaluation, dealt out over the ranks: each batch's loss is the one a single
         # process computes, so eval_loss is the same on any world size (evaluation.shard).
         mine = self._eval_indices(dataset)
-        loader = self.get_eval_dataloader(dataset) if unnamed_labels else self.get_test_dataloader(dataset)
         steps = self._step_metrics(loader, dataset, mine, keep=not unnamed_labels) if want_predictions else None
         with evaluation.eval_mode(self.model):
             part = evaluation.accumulate(loader, forward, want_predictions, self.preprocess_logits_for_metrics,
@@ -105,7 +134,7 @@ class EvaluationMixin:
         part.per_step, part.batch_size = not self.args.eval_do_concat_batches, self.args.per_device_eval_batch_size
         if want_predictions:  # checked on every rank where the predictions are gathered, read only there
             part.dealt = evaluation.reads(loader, dataset, mine)
-        return part, mine, start
+        return part, mine
 
     def _step_metrics(self, loader: Any, dataset: Dataset, mine: list[int], keep: bool) -> StepMetrics | None:
         """batch_eval_metrics (with compute_metrics): compute_metrics at every step (ddpkit.batch_metrics), the
@@ -230,6 +259,12 @@ def _main_input(batch: Any, model: nn.Module) -> Any:
                        f"main_input_name), which this batch has not; set main_input_name on the model, or leave "
                        "'inputs' out")
     return batch[name]
+
+
+def _needed(dataset: Any, need: str) -> Any:
+    if dataset is None or len(dataset) == 0:
+        raise ValueError(f"Trainer.{need} with at least one sample")
+    return dataset
 
 
 def _length(loader: Any) -> int | None:
