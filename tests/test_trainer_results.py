@@ -101,3 +101,42 @@ def test_a_script_reads_the_process_off_its_arguments_and_writes_a_model_card(tm
     assert "- total_train_batch_size: 4" in card and "- training_steps: 2" in card
     eval_loss = next(e["eval_loss"] for e in reversed(trainer.state.log_history) if "eval_loss" in e)
     assert f"| 2 | eval_loss | {eval_loss:.4g} |" in card
+
+
+class Counted(Trainer):
+    """compute_loss_context_manager overridden, as a Transformers subclass adds a context of its own."""
+
+    entered = 0
+
+    def compute_loss_context_manager(self):
+        type(self).entered += 1
+        return super().compute_loss_context_manager()
+
+
+def test_the_helpers_a_subclass_calls_are_transformers(tmp_path, local_world):
+    """get_decay_parameter_names, get_optimizer_cls_and_kwargs, create_optimizer_and_scheduler, metrics_format,
+    and compute_loss_context_manager (the autocast; an override is used in training and in prediction_step)."""
+    transformers = pytest.importorskip("transformers")
+    pt_utils = pytest.importorskip("transformers.trainer_pt_utils")  # its metrics_format: Transformers 5's method
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=3)
+    model = transformers.BertForSequenceClassification(config)
+    args = trainer_args(tmp_path, bf16=True, optim="adamw_torch", adam_beta1=0.8, max_steps=2,
+                        per_device_train_batch_size=4)
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path), adam_beta1=0.8, use_cpu=True, report_to=[])
+    trainer = Counted(Classifier().double(), args, train_dataset=classification_data(8))
+    assert trainer.get_decay_parameter_names(model) == transformers.Trainer.get_decay_parameter_names(None, model)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    their_cls, theirs = transformers.Trainer.get_optimizer_cls_and_kwargs(hf, model)
+    assert cls is their_cls and {k: kwargs[k] for k in ("betas", "eps")} == {k: theirs[k] for k in ("betas", "eps")}
+    metrics = {"train_runtime": 3723.5, "train_loss": 0.123456789, "total_flos": 3e9, "epoch": 2}
+    assert trainer.metrics_format(metrics) == pt_utils.metrics_format(metrics)  # takes no self there
+    with trainer.compute_loss_context_manager():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    assert trainer.optimizer is not None and trainer.lr_scheduler is not None
+    Counted.entered = 0
+    trainer.train()  # 2 steps of one micro-batch each
+    assert Counted.entered == 2
+    trainer.predict(classification_data(8))  # batches of 8: one
+    assert Counted.entered == 3

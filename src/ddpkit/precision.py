@@ -40,10 +40,10 @@ class Precision:
             return ScaledPrecision(device, AgreedGradScaler("cuda", comm=comm))
         return cls(device, torch.bfloat16 if args.bf16 else None)
 
-    def autocast(self) -> Any:
+    def autocast(self, cache_enabled: bool | None = True) -> Any:
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype, cache_enabled=cache_enabled)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

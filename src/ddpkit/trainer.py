@@ -170,6 +170,21 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
             self._made_scheduler = True
         return self.lr_scheduler
 
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Transformers': create_optimizer, then create_scheduler over num_training_steps."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps)
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """Transformers': the names of the parameters weight decay applies to (all but biases' and norms')."""
+        skipped = optim.no_decay(model)
+        return [name for name, param in model.named_parameters() if id(param) not in skipped]
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[type, dict]:
+        """Transformers': args.optim's class and keyword arguments (weight decay aside: set per param group)."""
+        return optim.optimizer_class(args)
+
     def _new_state(self) -> TrainerState:
         return TrainerState(world_size=self.world.world_size, is_world_process_zero=self.world.is_main,
                             is_local_process_zero=self.world.is_local_main)

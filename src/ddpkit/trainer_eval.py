@@ -167,7 +167,7 @@ class EvaluationMixin:
         inputs = self._prepare_inputs(inputs)  # as Transformers': evaluate and predict pass the batch as it came
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
-        with torch.no_grad(), self.precision.autocast():
+        with torch.no_grad(), self.compute_loss_context_manager():
             if labels is not None or self._loss_without_labels(inputs) or (self._unnamed_labels and not mapping):
                 loss, outputs = self._loss_and_outputs(model, inputs)
             else:

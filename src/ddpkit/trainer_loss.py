@@ -25,7 +25,7 @@ class LossMixin:
         items = self.count_items(batch)  # on the batch as it came (the CPU's): no device sync per micro-step
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
-        with self.precision.autocast():
+        with self.compute_loss_context_manager():
             if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
                 # The model (or compute_loss_func) divides its summed loss by the count we pass: already its share.
                 share = self.compute_loss(model, inputs,
@@ -39,6 +39,15 @@ class LossMixin:
         # multiplying by the world size first turns that average back into the sum.
         self.precision.backward(share * self.world.world_size)
         return share.detach().to(torch.float64)
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
+        """Transformers': the forward's autocast (bf16 or fp16), else a context that does nothing."""
+        return self.precision.autocast(cache_enabled)
+
+    def compute_loss_context_manager(self) -> Any:
+        """Transformers': what compute_loss runs under, in training and in prediction_step (the autocast); a
+        subclass may add its own."""
+        return self.autocast_smart_context_manager()
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | None = None):

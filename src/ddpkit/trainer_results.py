@@ -62,6 +62,10 @@ class ResultsMixin:
         """Whether this is the first process of its node."""
         return bool(self.world.is_local_main)
 
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Transformers': the metrics as log_metrics prints them (runtimes as h:mm:ss.ss, floats rounded)."""
+        return metrics_format(metrics)
+
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
         """Print `metrics` under a "***** <split> metrics *****" header, one aligned line each, on rank 0."""
         if not self.is_world_process_zero() or not metrics:
