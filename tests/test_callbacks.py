@@ -285,9 +285,12 @@ def test_the_handler_has_transformers_event_methods_for_subclasses_that_call_the
 
     seen = Seen()
     handler = CallbackHandler([seen])
-    control = handler.on_log(None, None, TrainerControl(), {"loss": 1.0})
-    assert seen.got == [{"loss": 1.0}] and control.should_save
-    assert handler.on_save(None, None, TrainerControl()).should_save is False  # Seen has no on_save
+    control = handler.on_log(None, None, TrainerControl(should_log=True), {"loss": 1.0})
+    assert seen.got == [{"loss": 1.0}] and control.should_save and not control.should_log  # cleared, as there
+    assert handler.on_save(None, None, TrainerControl(should_save=True)).should_save is False
+    assert handler.on_step_begin(None, None, TrainerControl(should_evaluate=True)).should_evaluate is False
+    assert handler.call_event("on_log", None, None, TrainerControl(), logs={"loss": 2.0}).should_save
+    assert seen.got[-1] == {"loss": 2.0}
     with pytest.raises(TypeError, match=r"on_save takes \(args, state, control\)"):
         handler.on_save(None, None, TrainerControl(), 5)
     with pytest.raises(AttributeError, match="no attribute 'on_nothing'"):

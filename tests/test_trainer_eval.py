@@ -333,3 +333,21 @@ def test_a_subclass_evaluates_through_evaluation_loop_and_fires_events_through_t
         if rank == 0:  # the saving rank post-processes: the accuracy ddpkit's own evaluate computes
             assert mine["eval_accuracy"] == theirs["eval_accuracy"]
         assert heard == [mine] and stop  # the handler called the callback and returned the control it set
+
+
+def filtered_world(world, out):
+    """get_eval_dataloader overridden as Transformers scripts do: the set filtered first, then super()'s loader."""
+    class Filtered(Trainer):
+        def get_eval_dataloader(self, eval_dataset=None):
+            kept = [s for s in (eval_dataset if eval_dataset is not None else self.eval_dataset) if s["idx"] % 3]
+            return super().get_eval_dataloader(kept)
+
+    def count(prediction):
+        return {"n": float(len(prediction.label_ids))}
+
+    args = trainer_args(out, per_device_eval_batch_size=2)
+    return Filtered(Classifier().double(), args, compute_metrics=count).evaluate(classification_data(9))["eval_n"]
+
+
+def test_an_overridden_loader_of_a_filtered_set_is_evaluated_whole(tmp_path):
+    assert run_world(filtered_world, 2, args=(str(tmp_path),), deadline_s=60) == [6.0, 6.0]

@@ -17,7 +17,8 @@ from .args import ArgumentError, TrainingArguments
 from .args_cli import ArgumentParser, parse_args
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .callbacks import TrainerCallback, TrainerControl
-from .trainer import EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput, get_scheduler, set_seed
+from .trainer import (EvalLoopOutput, EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput,
+                      get_scheduler, set_seed)
 from .backends import available_backends
 from .env import DistEnv, LaunchError, LaunchInfo, read_launch_env
 
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentError",
     "ArgumentParser",
+    "EvalLoopOutput",
     "EvalPrediction",
     "PredictionOutput",
     "Trainer",

@@ -28,6 +28,9 @@ from typing import Any
 from .comm import Comm, flags_of_main, max_over_ranks
 
 _POSITIONAL = {"on_evaluate": "metrics", "on_predict": "metrics", "on_log": "logs"}
+_CLEARED = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
+            "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_evaluate": ("should_evaluate",),
+            "on_save": ("should_save",), "on_log": ("should_log",)}
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
           "on_prediction_step", "on_predict", "on_log", "on_save")
@@ -149,18 +152,25 @@ class CallbackHandler:
     def __getattr__(self, name: str) -> Any:
         """Transformers' handler methods, which a Trainer subclass calls itself (its question-answering trainer:
         `self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)`):
-        on_<event>(args, state, control, ...) calls every callback's and returns the control."""
+        on_<event>(args, state, control, ...) clears the flags Transformers' clears there (on_evaluate's
+        should_evaluate, ...), calls every callback's and returns the control."""
         if name in EVENTS:
             return functools.partial(self._event, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _event(self, event: str, args: Any, state: Any, control: TrainerControl, *given: Any,
                **kwargs: Any) -> TrainerControl:
+        for flag in _CLEARED.get(event, ()):  # as Transformers' handler clears them before the callbacks
+            setattr(control, flag, False)
         if given:  # Transformers' positional extras: on_evaluate's and on_predict's metrics, on_log's logs
             if event not in _POSITIONAL or len(given) > 1:
                 takes = ", ".join(["args", "state", "control", *([_POSITIONAL[event]] if event in _POSITIONAL else [])])
                 raise TypeError(f"{event} takes ({takes}) and keyword arguments, got {len(given)} more positional")
             kwargs[_POSITIONAL[event]] = given[0]
+        return self.call(event, args, state, control, **kwargs)
+
+    def call_event(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        """Transformers' name for `call`: every callback's `event`, the control returned."""
         return self.call(event, args, state, control, **kwargs)
 
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:

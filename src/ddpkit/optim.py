@@ -52,6 +52,15 @@ def no_decay(model: nn.Module) -> set[int]:
     return skipped | {id(p) for name, p in model.named_parameters() if NO_DECAY_NAME.search(name.lower())}
 
 
+def decay_parameter_names(module: nn.Module) -> list[str]:
+    """The names of the parameters weight decay applies to, listed as Transformers' get_decay_parameter_names lists
+    them: each child's first (a tied weight under each of its names), then the module's own; none of an nn.LayerNorm,
+    none whose name says bias or norm."""
+    names = [f"{child_name}.{name}" for child_name, child in module.named_children()
+             if not isinstance(child, nn.LayerNorm) for name in decay_parameter_names(child)]
+    return [name for name in names + list(module._parameters) if not NO_DECAY_NAME.search(name.lower())]
+
+
 def given_optimizers(optimizers: tuple[Any, Any], args: TrainingArguments, world_size: int,
                      cls_and_kwargs: Any = None) -> tuple[Any, Any]:
     """Trainer(optimizers=(optimizer, scheduler)) as given, checked against ddp_zero_stage, which shards the

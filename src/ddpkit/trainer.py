@@ -54,7 +54,7 @@ from .neftune import noisy_embeddings
 from .report import Progress, Reporter, write_loss_curve
 from .rng import set_seed
 from .running_loss import RunningLoss
-from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
+from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 from .timeline import attach_timeline
 from .trainer_data import DataMixin
 from .trainer_eval import EvaluationMixin
@@ -162,10 +162,12 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                                                     self.optimizer_cls_and_kwargs)
         return self.optimizer
 
-    def create_scheduler(self, total_steps: int) -> Any:
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Transformers': args.lr_scheduler_type's schedule over num_training_steps, of `optimizer` (default the
+        Trainer's), unless the Trainer has one."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, self.optimizer,
-                                              self.args.warmup_steps_for(total_steps), total_steps,
+            self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer or self.optimizer,
+                                              self.args.warmup_steps_for(num_training_steps), num_training_steps,
                                               self.args.lr_scheduler_kwargs)
             self._made_scheduler = True
         return self.lr_scheduler
@@ -177,8 +179,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
         """Transformers': the names of the parameters weight decay applies to (all but biases' and norms')."""
-        skipped = optim.no_decay(model)
-        return [name for name, param in model.named_parameters() if id(param) not in skipped]
+        return optim.decay_parameter_names(model)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[type, dict]:
@@ -372,5 +373,5 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self.saves.write_final_state(self.state)
 
 
-__all__ = ["EvalPrediction", "PredictionOutput", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl",
-           "TrainerState", "get_scheduler", "set_seed", "write_loss_curve"]
+__all__ = ["EvalLoopOutput", "EvalPrediction", "PredictionOutput", "TrainOutput", "Trainer", "TrainerCallback",
+           "TrainerControl", "TrainerState", "get_scheduler", "set_seed", "write_loss_curve"]

@@ -81,9 +81,7 @@ class EvaluationMixin:
         label_ids nor compute_metrics. description "Prediction" takes a list batch's labels as predict does, and
         keeps the predictions under batch_eval_metrics."""
         loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        # The set evaluate or predict was given (an overridden loader may read a Subset of it), else the loader's.
-        dataset = self._evaluated if self._evaluated is not None else getattr(dataloader, "dataset", None)
-        dataset = _needed(dataset, "evaluation_loop needs a loader of a dataset")
+        dataset = _needed(self._dealt_set(dataloader), "evaluation_loop needs a loader of a dataset")
         predicting = description == "Prediction"
         part, mine = self._pass_over(dataloader, dataset, ignore_keys, not loss_only, unnamed_labels=not predicting)
         comm, device = self.comm, self.world.device
@@ -106,9 +104,26 @@ class EvaluationMixin:
         finally:
             self._evaluated = None
 
+    def _dealt_set(self, dataloader: Any) -> Any:
+        """The set the loader's batches were dealt from: its own dataset where ddpkit dealt it (an overridden
+        get_eval_dataloader may filter the set, then call super()), else the set evaluate or predict was given (an
+        override may read a Subset of it), else the loader's."""
+        own, given = getattr(dataloader, "dataset", None), self._evaluated
+        if given is None or own is given:
+            return own
+        try:
+            dealt = own is not None and len(own) > 0 and evaluation.reads(dataloader, own, self._eval_indices(own))
+        except TypeError:  # no length: an iterable dataset
+            dealt = False
+        return own if dealt else given
+
     def num_examples(self, dataloader: Any) -> int:
-        """Transformers': the samples of the loader's dataset (over all ranks)."""
-        return len(dataloader.dataset)
+        """Transformers': the samples of the loader's dataset (over all ranks); without one, its batches times the
+        batch size."""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
 
     def _pass_over(self, loader: Any, dataset: Dataset, ignore_keys: list[str] | None, want_predictions: bool,
                    unnamed_labels: bool = True) -> tuple[evaluation.Part, list[int]]:
@@ -167,7 +182,7 @@ class EvaluationMixin:
         inputs = self._prepare_inputs(inputs)  # as Transformers': evaluate and predict pass the batch as it came
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
-        with torch.no_grad(), self.compute_loss_context_manager():
+        with torch.no_grad(), self.precision.autocast(), self.compute_loss_context_manager():
             if labels is not None or self._loss_without_labels(inputs) or (self._unnamed_labels and not mapping):
                 loss, outputs = self._loss_and_outputs(model, inputs)
             else:

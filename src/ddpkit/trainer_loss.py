@@ -10,6 +10,7 @@ global count. Either way N ranks x accumulation equal one process on the whole g
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ class LossMixin:
         items = self.count_items(batch)  # on the batch as it came (the CPU's): no device sync per micro-step
         inputs = self._prepare_inputs(batch)
         global_items = max(global_items, 1.0)
-        with self.compute_loss_context_manager():
+        with self.precision.autocast(), self.compute_loss_context_manager():
             if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
                 # The model (or compute_loss_func) divides its summed loss by the count we pass: already its share.
                 share = self.compute_loss(model, inputs,
@@ -41,13 +42,19 @@ class LossMixin:
         return share.detach().to(torch.float64)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
-        """Transformers': the forward's autocast (bf16 or fp16), else a context that does nothing."""
-        return self.precision.autocast(cache_enabled)
+        """Transformers 5's: nothing, as the autocast (bf16, fp16) is the Trainer's own, around compute_loss
+        (Transformers' is accelerate's, around the model's forward); a subclass may return a context of its own."""
+        return contextlib.nullcontext()
 
-    def compute_loss_context_manager(self) -> Any:
-        """Transformers': what compute_loss runs under, in training and in prediction_step (the autocast); a
-        subclass may add its own."""
-        return self.autocast_smart_context_manager()
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """Transformers': an ExitStack of the contexts compute_loss runs under, in training and in prediction_step,
+        inside the Trainer's autocast (autocast_smart_context_manager's, if any, entered); a subclass extends it
+        as there: `stack = super().compute_loss_context_manager(); stack.enter_context(mine); return stack`."""
+        stack = contextlib.ExitStack()
+        own = self.autocast_smart_context_manager()
+        if not isinstance(own, contextlib.nullcontext):
+            stack.enter_context(own)
+        return stack
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | None = None):
