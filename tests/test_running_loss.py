@@ -60,3 +60,39 @@ def test_the_run_s_loss_is_in_trainer_state_and_comes_back_from_it():
     assert (saved["loss_since_last_log"], saved["steps_since_last_log"]) == (0.25, 1)
     assert TrainerState.from_dict(saved).global_step == 3
     assert TrainerState.from_dict(saved).train_loss_steps == 5
+
+
+def test_a_nan_or_inf_step_counts_as_the_mean_of_its_log_s_earlier_steps_with_the_filter():
+    """logging_nan_inf_filter (Transformers', on by default): the log and train_loss go on; off, they show it."""
+    nan, inf = float("nan"), float("inf")
+    filtered = RunningLoss(nan_inf_filter=True)
+    assert _train(filtered, [1.0, 3.0, nan, inf, 5.0, 7.0], logging_steps=3) == [2.0, 4.0]  # inf: 0, first of a log
+    assert filtered.total / filtered.steps == (1 + 3 + 2 + 0 + 5 + 7) / 6
+    plain = RunningLoss()
+    logged = _train(plain, [1.0, 3.0, nan], logging_steps=3)
+    assert logged[0] != logged[0]  # nan, as it was
+    resumed = RunningLoss.resumed(_checkpoint(filtered), nan_inf_filter=True)
+    assert resumed.nan_inf_filter and _train(resumed, [nan], logging_steps=1) == [0.0]
+
+
+def test_the_trainer_filters_as_logging_nan_inf_filter_says(tmp_path, local_world):
+    from conftest import Classifier, classification_data, trainer_args
+
+    from ddpkit.trainer import Trainer
+
+    class NanAtThree(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * float("nan") if self.state.global_step == 2 else loss  # the third step's
+
+    logged = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / str(on), per_device_train_batch_size=4, max_steps=3, logging_steps=3,
+                            logging_nan_inf_filter=on, max_grad_norm=0.0)
+        trainer = NanAtThree(Classifier().double(), args, train_dataset=classification_data(12))
+        result = trainer.train()
+        logged[on] = ([e["loss"] for e in trainer.state.log_history if "loss" in e], result.training_loss)
+    (mean,), train_loss = logged[True]
+    assert mean == mean and train_loss == mean  # finite (the first two steps' mean, counted twice), train_loss alike
+    assert logged[False][0][0] != logged[False][0][0]  # nan

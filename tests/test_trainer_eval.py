@@ -351,3 +351,20 @@ def filtered_world(world, out):
 
 def test_an_overridden_loader_of_a_filtered_set_is_evaluated_whole(tmp_path):
     assert run_world(filtered_world, 2, args=(str(tmp_path),), deadline_s=60) == [6.0, 6.0]
+
+
+class NanFirstBatch(Classifier):
+    def forward(self, x, labels=None, idx=None):
+        out = super().forward(x, labels, idx)
+        if out["loss"] is not None and (idx == 0).any():
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+def test_eval_loss_leaves_nan_batches_out_as_logging_nan_inf_filter_says(tmp_path, local_world):
+    losses = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / str(on), per_device_eval_batch_size=2, logging_nan_inf_filter=on)
+        losses[on] = Trainer(NanFirstBatch().double(), args).evaluate(classification_data(6))["eval_loss"]
+    assert np.isfinite(losses[True]) and np.isnan(losses[False])

@@ -30,7 +30,6 @@ FOREIGN: dict[str, tuple[Any, str]] = {
     "project": ("huggingface", _TRACKING), "trackio_space_id": (None, _TRACKING),
     "trackio_bucket_id": (None, _TRACKING), "trackio_static_space_id": (None, _TRACKING),
     "log_level": ("passive", _LOGS), "log_level_replica": ("warning", _LOGS), "log_on_each_node": (True, _LOGS),
-    "logging_nan_inf_filter": (True, "ddpkit logs the loss as it is, inf and nan included"),
     "save_on_each_node": (False, "rank 0 writes every checkpoint into output_dir: give the nodes a shared one"),
     "skip_memory_metrics": (True, "ddpkit reports no memory metrics"),
     "average_tokens_across_devices": (True, "ddpkit always divides the loss by the items of every rank's batches "

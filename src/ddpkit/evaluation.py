@@ -86,8 +86,8 @@ class Part:
 
     The loss is Transformers' eval_loss: each batch's loss weighted by its samples (its evaluation_loop repeats a
     batch's loss batch-size times, gather_for_metrics cutting the last batch's copies to the samples it holds),
-    then the mean over all samples; a batch whose loss is not finite is left out, as logging_nan_inf_filter (on
-    by default there) leaves it out, unless every batch's is."""
+    then the mean over all samples; with nan_inf_filter (logging_nan_inf_filter, on by default) a batch whose loss
+    is not finite is left out, as Transformers leaves it out, unless every batch's is."""
 
     loss_sum: float = 0.0  # finite batch losses times their samples, in float64 as the sums over ranks are
     samples: float = 0.0  # of the batches with a finite loss (batches without labels have none)
@@ -101,6 +101,7 @@ class Part:
     step_metrics: dict[str, Any] | None = None  # batch_eval_metrics: what compute_metrics returned at the last step
     per_step: bool = False  # eval_do_concat_batches=False: the predictions as a list, one array per step
     batch_size: int = 1  # of the batches shard dealt (per_step checks that the loader kept them)
+    nan_inf_filter: bool = True  # leave the batches whose loss is nan or inf out of the mean loss
 
 
 # (loss, logits, labels, samples, the batch's main model input): prediction_step's, and what more evaluation needs
@@ -198,6 +199,8 @@ def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) 
     """The mean loss over every rank's samples (Part says how), and how many samples had a loss."""
     loss_sum, samples, bad_sum, bad_samples = sum_over_ranks(
         comm, [part.loss_sum, part.samples, part.bad_sum, part.bad_samples], f"{prefix} loss", device)
+    if not part.nan_inf_filter and bad_samples:  # every batch's loss in the mean: nan or inf, as it is
+        return (loss_sum + bad_sum) / (samples + bad_samples), samples + bad_samples
     if samples:
         return loss_sum / samples, samples
     return (bad_sum / bad_samples if bad_samples else 0.0), bad_samples

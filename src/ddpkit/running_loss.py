@@ -21,6 +21,7 @@ everywhere), so the all-reduces of `settle_now` match across ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,21 +36,23 @@ from .window import sum_loss
 class RunningLoss:
     """The run's step losses: the partial sum since the last log, and the whole run's for train_loss."""
 
-    def __init__(self, unlogged: float = 0.0, unlogged_steps: int = 0, total: float = 0.0, steps: int = 0):
+    def __init__(self, unlogged: float = 0.0, unlogged_steps: int = 0, total: float = 0.0, steps: int = 0,
+                 nan_inf_filter: bool = False):
         self.unlogged = unlogged  # global step losses since the last log, added in step order
         self.unlogged_steps = unlogged_steps
         self.total = total  # every step of the run, a resumed checkpoint's included: train_loss is their mean
         self.steps = steps
+        self.nan_inf_filter = nan_inf_filter  # logging_nan_inf_filter (settle)
         self._pending: torch.Tensor | None = None  # this rank's share of the newest step, not yet summed
 
     @classmethod
-    def resumed(cls, trainer_state: Mapping[str, Any]) -> RunningLoss:
+    def resumed(cls, trainer_state: Mapping[str, Any], nan_inf_filter: bool = False) -> RunningLoss:
         """Going on from a checkpoint's trainer_state.json as if never interrupted. A checkpoint written before
         ddpkit kept train_loss_sum knows nothing of its steps' losses: train_loss is then the mean over the steps
         trained since (not, as in Transformers, their sum over every step); one from before loss_since_last_log
         starts the next log's mean afresh."""
         return cls(trainer_state.get("loss_since_last_log", 0.0), trainer_state.get("steps_since_last_log", 0),
-                   trainer_state.get("train_loss_sum", 0.0), trainer_state.get("train_loss_steps", 0))
+                   trainer_state.get("train_loss_sum", 0.0), trainer_state.get("train_loss_steps", 0), nan_inf_filter)
 
     def step(self, share: torch.Tensor) -> None:
         """This rank's share of the step just taken (the previous one is settled by then: see settle)."""
@@ -62,10 +65,15 @@ class RunningLoss:
         return 0.0 if self._pending is None else float(self._pending)
 
     def settle(self, global_loss: float) -> None:
-        """The sum over the ranks of what `carried` gave: the newest step's global loss; a no-op when none waits."""
+        """The sum over the ranks of what `carried` gave: the newest step's global loss; a no-op when none waits.
+        With nan_inf_filter (Transformers' logging_nan_inf_filter, on by default there) a loss that is nan or inf
+        counts as the mean of the steps since the last log (0 for the first), in the log and in train_loss alike:
+        Transformers replaces a rank's micro-batch loss so; here the step's global loss is, the same on every rank."""
         if self._pending is None:
             return
         self._pending = None
+        if self.nan_inf_filter and not math.isfinite(global_loss):
+            global_loss = self.unlogged / self.unlogged_steps if self.unlogged_steps else 0.0
         self.unlogged += global_loss
         self.unlogged_steps += 1
         self.total += global_loss

@@ -93,7 +93,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self.comm = Comm.for_group()
         # SIGTERM or the first Ctrl-C set it while training; the ranks agree on it at the next window.
         self._stop = StopRequest(announce=self.world.is_main)
-        self._loss = RunningLoss()
+        self._loss = RunningLoss(nan_inf_filter=args.logging_nan_inf_filter)
         set_seed(args.seed, args.full_determinism)
         self.timeline = attach_timeline(self.comm, args.ddp_timeline_steps, args.output_dir)  # before DDP: see it
         self.model_init = model_init
@@ -196,7 +196,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         learning-rate schedule where the Trainer made the last one (a schedule passed in `optimizers` is the
         caller's); the model's weights and the optimizer, with its state, go on. A resume then replaces them with
         the checkpoint's."""
-        self.state, self._loss, self.current_flos = self._new_state(), RunningLoss(), 0.0
+        self.state, self.current_flos = self._new_state(), 0.0
+        self._loss = RunningLoss(nan_inf_filter=self.args.logging_nan_inf_filter)
         self._stop.reset()
         if self._made_scheduler:
             self.lr_scheduler, self._made_scheduler = None, False
@@ -303,7 +304,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
             self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
         if self.args.restore_callback_states_from_checkpoint:
             self.callback_handler.restore_states(trainer_state.get("stateful_callbacks", {}))
-        self._loss = RunningLoss.resumed(trainer_state)  # as if never interrupted, train_loss too
+        self._loss = RunningLoss.resumed(trainer_state, self.args.logging_nan_inf_filter)  # as if never interrupted
         return sampler_state
 
     def training_step(self, window: Window) -> tuple[torch.Tensor, float]:

@@ -147,6 +147,7 @@ class EvaluationMixin:
         if steps is not None:
             part.step_metrics = steps.finish(len(mine))
         part.per_step, part.batch_size = not self.args.eval_do_concat_batches, self.args.per_device_eval_batch_size
+        part.nan_inf_filter = self.args.logging_nan_inf_filter
         if want_predictions:  # checked on every rank where the predictions are gathered, read only there
             part.dealt = evaluation.reads(loader, dataset, mine)
         return part, mine
