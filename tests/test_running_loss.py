@@ -66,8 +66,10 @@ def test_a_nan_or_inf_step_counts_as_the_mean_of_its_log_s_earlier_steps_with_th
     """logging_nan_inf_filter (Transformers', on by default): the log and train_loss go on; off, they show it."""
     nan, inf = float("nan"), float("inf")
     filtered = RunningLoss(nan_inf_filter=True)
-    assert _train(filtered, [1.0, 3.0, nan, inf, 5.0, 7.0], logging_steps=3) == [2.0, 4.0]  # inf: 0, first of a log
-    assert filtered.total / filtered.steps == (1 + 3 + 2 + 0 + 5 + 7) / 6
+    stand_in = (1.0 + 3.0) / (1 + 2)  # Transformers': the sum since the log over 1 + its steps
+    assert _train(filtered, [1.0, 3.0, nan, inf, 5.0, 7.0], logging_steps=3) == [(1.0 + 3.0 + stand_in) / 3,
+                                                                                   (0.0 + 5.0 + 7.0) / 3]  # inf: 0
+    assert filtered.total / filtered.steps == (1.0 + 3.0 + stand_in + 0.0 + 5.0 + 7.0) / 6
     plain = RunningLoss()
     logged = _train(plain, [1.0, 3.0, nan], logging_steps=3)
     assert logged[0] != logged[0]  # nan, as it was
@@ -85,6 +87,11 @@ def test_the_trainer_filters_as_logging_nan_inf_filter_says(tmp_path, local_worl
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             return loss * float("nan") if self.state.global_step == 2 else loss  # the third step's
 
+    torch.manual_seed(0)  # the first two steps alone, logged one by one: what the filtered log stands on
+    args = trainer_args(tmp_path / "two", per_device_train_batch_size=4, max_steps=2, max_grad_norm=0.0)
+    trainer = Trainer(Classifier().double(), args, train_dataset=classification_data(12))
+    trainer.train()
+    first, second = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     logged = {}
     for on in (True, False):
         torch.manual_seed(0)
@@ -94,5 +101,5 @@ def test_the_trainer_filters_as_logging_nan_inf_filter_says(tmp_path, local_worl
         result = trainer.train()
         logged[on] = ([e["loss"] for e in trainer.state.log_history if "loss" in e], result.training_loss)
     (mean,), train_loss = logged[True]
-    assert mean == mean and train_loss == mean  # finite (the first two steps' mean, counted twice), train_loss alike
+    assert mean == (first + second + (first + second) / 3) / 3 == train_loss  # the stand-in in both
     assert logged[False][0][0] != logged[False][0][0]  # nan

@@ -368,3 +368,28 @@ def test_eval_loss_leaves_nan_batches_out_as_logging_nan_inf_filter_says(tmp_pat
         args = trainer_args(tmp_path / str(on), per_device_eval_batch_size=2, logging_nan_inf_filter=on)
         losses[on] = Trainer(NanFirstBatch().double(), args).evaluate(classification_data(6))["eval_loss"]
     assert np.isfinite(losses[True]) and np.isnan(losses[False])
+
+
+def subset_world(world, out):
+    """An override that reads a Subset of what ddpkit dealt (taken at its word), on a set where rank 0's share is
+    one whole batch: every rank must deal from the same set (the one predict was given)."""
+    from ddpkit.collator import default_data_collator
+
+    class Own(Trainer):
+        def get_test_dataloader(self, test_dataset):
+            dealt = list(super().get_test_dataloader(test_dataset).sampler)
+            return torch.utils.data.DataLoader(torch.utils.data.Subset(test_dataset, dealt), batch_size=2,
+                                               collate_fn=default_data_collator)
+
+        def evaluation_loop(self, *args, **kwargs):
+            output = super().evaluation_loop(*args, **kwargs)
+            self.samples = output.num_samples  # what the speed metrics divide by, on this rank
+            return output
+
+    trainer = Own(Classifier().double(), trainer_args(out, per_device_eval_batch_size=2))
+    output = trainer.predict(classification_data(3))
+    return output.predictions.shape[0], trainer.samples, trainer._evaluated
+
+
+def test_an_override_reading_a_subset_deals_from_the_given_set_on_every_rank(tmp_path):
+    assert run_world(subset_world, 2, args=(str(tmp_path),), deadline_s=60) == [(3, 3, None)] * 2

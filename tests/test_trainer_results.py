@@ -157,3 +157,21 @@ def test_the_helpers_a_subclass_calls_are_transformers(tmp_path, local_world):
     trainer.train()  # 2 steps of one micro-batch each, each inside the Trainer's bf16 autocast
     trainer.predict(classification_data(8))  # one batch of 8
     assert Counted.entered == [True, True, True]
+
+
+def test_a_subclass_s_own_prediction_step_runs_under_the_autocast(tmp_path, local_world):
+    """As a Seq2Seq-style override does: the model called under compute_loss_context_manager gets bf16, as
+    Transformers' accelerate-wrapped forward does."""
+    seen = []
+
+    class Own(Trainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            inputs = self._prepare_inputs(inputs)
+            with torch.no_grad(), self.compute_loss_context_manager():
+                seen.append(torch.is_autocast_enabled("cpu"))
+                outputs = model(**inputs)
+            return outputs["loss"], outputs["logits"], inputs["labels"]
+
+    Own(Classifier().double(), trainer_args(tmp_path, bf16=True)).predict(classification_data(4))
+    assert seen == [True]
+

@@ -69,7 +69,8 @@ class TrainingArguments(ProcessMixin, ForeignDefaults, metaclass=ForeignDropping
                                             "epoch (at each epoch's end).", choices=STRATEGIES)
     logging_steps: float = _field(500, "Log every N optimizer steps (a float < 1: a fraction of the total).")
     logging_nan_inf_filter: bool = _field(True, "A step whose loss is nan or inf is logged, and counted in train_loss, "
-                                                "as the mean of the steps since the last log (Transformers' filter).")
+                                                "as the sum since the last log over 1 + its steps (Transformers' "
+                                                "stand-in); eval_loss leaves such batches out.")
     logging_first_step: bool = _field(False, "Also log the loss of the first optimizer step.")
     eval_strategy: str = _field("no", "When to evaluate: no, steps (every eval_steps) or epoch.", choices=STRATEGIES)
     eval_steps: float | None = _field(None, "Evaluate every N optimizer steps; defaults to logging_steps.")

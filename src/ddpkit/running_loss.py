@@ -67,13 +67,15 @@ class RunningLoss:
     def settle(self, global_loss: float) -> None:
         """The sum over the ranks of what `carried` gave: the newest step's global loss; a no-op when none waits.
         With nan_inf_filter (Transformers' logging_nan_inf_filter, on by default there) a loss that is nan or inf
-        counts as the mean of the steps since the last log (0 for the first), in the log and in train_loss alike:
-        Transformers replaces a rank's micro-batch loss so; here the step's global loss is, the same on every rank."""
+        counts as Transformers' stand-in, the sum since the last log over 1 + its steps (0 for the first step of
+        a log), in the log and in train_loss alike. Transformers puts it in for a rank's micro-batch, keeping the
+        other micro-batches and ranks of the step; here it stands for the step's global loss, the same on every
+        rank (equal where one process trains without accumulation)."""
         if self._pending is None:
             return
         self._pending = None
         if self.nan_inf_filter and not math.isfinite(global_loss):
-            global_loss = self.unlogged / self.unlogged_steps if self.unlogged_steps else 0.0
+            global_loss = self.unlogged / (1 + self.unlogged_steps)
         self.unlogged += global_loss
         self.unlogged_steps += 1
         self.total += global_loss

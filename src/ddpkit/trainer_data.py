@@ -68,8 +68,10 @@ class DataMixin:
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        return self._loader(dataset, self.args.per_device_eval_batch_size, self._eval_indices(dataset),
-                            torch.Generator().manual_seed(data_seed(self.args)))
+        loader = self._loader(dataset, self.args.per_device_eval_batch_size, self._eval_indices(dataset),
+                              torch.Generator().manual_seed(data_seed(self.args)))
+        loader.dealt_from = dataset  # what evaluation_loop deals from (an override may filter the set first)
+        return loader
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
         # Its workers are out of the stop's way (ddpkit.loader_workers).

@@ -105,17 +105,14 @@ class EvaluationMixin:
             self._evaluated = None
 
     def _dealt_set(self, dataloader: Any) -> Any:
-        """The set the loader's batches were dealt from: its own dataset where ddpkit dealt it (an overridden
-        get_eval_dataloader may filter the set, then call super()), else the set evaluate or predict was given (an
-        override may read a Subset of it), else the loader's."""
-        own, given = getattr(dataloader, "dataset", None), self._evaluated
-        if given is None or own is given:
-            return own
-        try:
-            dealt = own is not None and len(own) > 0 and evaluation.reads(dataloader, own, self._eval_indices(own))
-        except TypeError:  # no length: an iterable dataset
-            dealt = False
-        return own if dealt else given
+        """The set the loader's batches were dealt from: the one ddpkit's get_eval_dataloader or get_test_dataloader
+        dealt (an override may filter the set, then call super()), else the set evaluate or predict was given (an
+        override may read a Subset of it), else the loader's own. Read off the loader, never its sampler: the same
+        choice on every rank."""
+        tagged = getattr(dataloader, "dealt_from", None)
+        if tagged is not None:
+            return tagged
+        return self._evaluated if self._evaluated is not None else getattr(dataloader, "dataset", None)
 
     def num_examples(self, dataloader: Any) -> int:
         """Transformers': the samples of the loader's dataset (over all ranks); without one, its batches times the

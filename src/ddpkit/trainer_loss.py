@@ -47,10 +47,13 @@ class LossMixin:
         return contextlib.nullcontext()
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
-        """Transformers': an ExitStack of the contexts compute_loss runs under, in training and in prediction_step,
-        inside the Trainer's autocast (autocast_smart_context_manager's, if any, entered); a subclass extends it
-        as there: `stack = super().compute_loss_context_manager(); stack.enter_context(mine); return stack`."""
+        """Transformers': an ExitStack of the contexts compute_loss runs under, in training and in prediction_step:
+        the Trainer's autocast (entered again inside the one training and prediction_step hold, so that a subclass's
+        own prediction_step that calls the model under this context gets it too, as accelerate's wrapped forward
+        gives it there) and autocast_smart_context_manager's, if any; a subclass extends it as there:
+        `stack = super().compute_loss_context_manager(); stack.enter_context(mine); return stack`."""
         stack = contextlib.ExitStack()
+        stack.enter_context(self.precision.autocast())
         own = self.autocast_smart_context_manager()
         if not isinstance(own, contextlib.nullcontext):
             stack.enter_context(own)
