@@ -393,3 +393,32 @@ def subset_world(world, out):
 
 def test_an_override_reading_a_subset_deals_from_the_given_set_on_every_rank(tmp_path):
     assert run_world(subset_world, 2, args=(str(tmp_path),), deadline_s=60) == [(3, 3, None)] * 2
+
+
+def rank_zero_logs_world(world, out):
+    """A subclass's own evaluate that logs on rank 0 only (Transformers' QA trainer: `if self.args.should_log`),
+    evaluated by the schedule at the last step: whether the run still needs its final evaluation is the same
+    decision on every rank (it read each rank's log_history, and rank 1 alone evaluated again: a mismatch)."""
+    class RankZeroLogs(Trainer):
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            output = self.evaluation_loop(self.get_eval_dataloader(eval_dataset), "Evaluation")
+            if self.args.should_log:
+                self.log(output.metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
+            return output.metrics
+
+    counted = []
+
+    class Counting(RankZeroLogs):
+        def evaluation_loop(self, *args, **kwargs):
+            counted.append(self.state.global_step)
+            return super().evaluation_loop(*args, **kwargs)
+
+    args = trainer_args(out, per_device_train_batch_size=2, max_steps=4, eval_strategy="steps", eval_steps=2)
+    Counting(Classifier().double(), args, train_dataset=classification_data(8),
+             eval_dataset=classification_data(4)).train()
+    return counted
+
+
+def test_a_subclass_that_logs_evaluations_on_rank_0_only_ends_without_a_mismatch(tmp_path):
+    assert run_world(rank_zero_logs_world, 2, args=(str(tmp_path),), deadline_s=60) == [[2, 4], [2, 4]]

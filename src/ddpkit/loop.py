@@ -56,7 +56,7 @@ class TrainingLoop:
             # epoch's evaluation, as Transformers logs, evaluates and saves; never twice for one step.
             # The last step's grad_norm and learning rate (state.last_step_log: a resumed run's is its checkpoint's)
             if (t.args.logging_strategy == "epoch" or t.control.should_log) and t.state.last_step_log and \
-                    not t.state.logged_at("loss", t.state.global_step):
+                    t._loss_logged_step != t.state.global_step:
                 self.log_loss(*t.state.last_step_log)
             t.control.should_log = False
             t._maybe_evaluate_and_save(self.sampler, step_end=False)
@@ -127,6 +127,7 @@ class TrainingLoop:
         """Log the mean loss since the last log (summed over the ranks), with the last step's norm and rate."""
         t = self.trainer
         t._loss.settle_now(t.comm, t.world, "logged loss")
+        t._loss_logged_step = t.state.global_step
         t.log({"loss": t._loss.take_log(), "grad_norm": grad_norm, "learning_rate": learning_rate,
                "samples_per_second": self.progress.clock.lap()})
         t._agreement.settle(t.control, f"the log of step {t.state.global_step}")  # what on_log asked is rank 0's too

@@ -147,9 +147,9 @@ class TrainerState:
                 return entry
         return None
 
-    def logged_at(self, key: str, step: int) -> bool:
-        """Whether `key` was logged at `step`."""
-        return any(key in e and e.get("step") == step for e in self.log_history)
+    def last_logged_step(self, key: str) -> int:
+        """The step of the newest entry that logged `key`; -1 when none did."""
+        return max((e.get("step", -1) for e in self.log_history if key in e), default=-1)
 
 
 RESUMED = ("epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint", "total_flos",

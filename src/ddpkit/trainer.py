@@ -198,6 +198,9 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         the checkpoint's."""
         self.state, self.current_flos = self._new_state(), 0.0
         self._loss = RunningLoss(nan_inf_filter=self.args.logging_nan_inf_filter)
+        # The last steps whose loss was logged and which the schedule evaluated: the same on every rank, where
+        # log_history need not be (a subclass's own evaluate may log on rank 0 only, as Transformers' QA trainer).
+        self._loss_logged_step = self._evaluated_step = -1
         self._stop.reset()
         if self._made_scheduler:
             self.lr_scheduler, self._made_scheduler = None, False
@@ -300,6 +303,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                                                       scheduler=self.lr_scheduler, world=self.world,
                                                       scaler=self.precision.scaler, comm=self.comm)
         self.state.resume_from(trainer_state)
+        self._loss_logged_step = self.state.last_logged_step("loss")  # the checkpoint's history: every rank's
+        self._evaluated_step = self.state.last_logged_step(self._evaluation_key())
         if self.state.best_model_checkpoint:  # renamed aside by a later run's save of its step, perhaps
             self.state.best_model_checkpoint = self.saves.own(self.state.best_model_checkpoint)
         if self.args.restore_callback_states_from_checkpoint:

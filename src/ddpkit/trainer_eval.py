@@ -238,7 +238,7 @@ class EvaluationMixin:
         step = self.state.global_step
         moment = "step" if step_end else "final" if final else "epoch"
         evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
-                             self.state.save_steps, evaluated=self.state.logged_at(self._evaluation_key(), step))
+                             self.state.save_steps, evaluated=self._evaluated_step == step)
         # eval_delay: Transformers' rule, in epochs under eval_strategy epoch, else in steps
         evaluate = evaluate and self.args.eval_delay <= (self.state.epoch if self.args.eval_strategy == "epoch"
                                                          else step)
@@ -247,6 +247,7 @@ class EvaluationMixin:
         new_best = False
         if evaluate and self.eval_dataset is not None:
             metrics = self.timeline.timed(EVALUATION, "evaluation", self.evaluate)
+            self._evaluated_step = step
             if self.best is not None:
                 _check_best_metric(self.best.key, metrics, self.label_names, self._evaluation_sets())
                 new_best = self.best.note_evaluation(self.state, metrics)  # every rank's metrics alike
