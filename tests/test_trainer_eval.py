@@ -422,3 +422,17 @@ def rank_zero_logs_world(world, out):
 
 def test_a_subclass_that_logs_evaluations_on_rank_0_only_ends_without_a_mismatch(tmp_path):
     assert run_world(rank_zero_logs_world, 2, args=(str(tmp_path),), deadline_s=60) == [[2, 4], [2, 4]]
+
+
+def test_metric_names_already_prefixed_and_values_of_any_kind_are_kept_as_transformers_keeps_them(tmp_path,
+                                                                                                  local_world):
+    def metrics(prediction):
+        right = (prediction.predictions.argmax(-1) == prediction.label_ids)
+        return {"eval_acc": right.mean(), "n": len(right), "per_class": [np.float32(0.5), 1], "note": "ok",
+                "t": torch.tensor(2.0)}
+
+    got = Trainer(Classifier().double(), trainer_args(tmp_path), compute_metrics=metrics).evaluate(
+        classification_data(6))
+    assert "eval_eval_acc" not in got and isinstance(got["eval_acc"], float)
+    assert (got["eval_n"], got["eval_per_class"], got["eval_note"], got["eval_t"]) == (6, [0.5, 1], "ok", 2.0)
+    assert type(got["eval_n"]) is int and type(got["eval_per_class"][0]) is float

@@ -206,8 +206,20 @@ def _loss_over_ranks(comm: Comm, part: Part, prefix: str, device: torch.device) 
     return (bad_sum / bad_samples if bad_samples else 0.0), bad_samples
 
 
-def prefixed(found: dict[str, Any], prefix: str) -> dict[str, float]:
-    return {f"{prefix}_{k}": float(v) for k, v in found.items()}
+def prefixed(found: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """compute_metrics' results as Transformers reports them: each name prefixed unless it is already, numpy
+    scalars and one-element tensors as Python numbers (inside lists and dicts too), any other value as it is."""
+    return {(k if str(k).startswith(f"{prefix}_") else f"{prefix}_{k}"): _plain(v) for k, v in found.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value.item()
+    return value
 
 
 def _numpy(labels: torch.Tensor | tuple[torch.Tensor, ...]) -> np.ndarray | tuple[np.ndarray, ...]:
