@@ -100,11 +100,15 @@ def other_loaders_world(world, out):
                 return loader
 
         args = trainer_args(out, per_device_eval_batch_size=2, batch_eval_metrics=True, remove_unused_columns=False)
-        trainer = Other(Echo(), args, compute_metrics=Accuracy())
-        with pytest.raises(ValueError) as raised:
-            trainer.evaluate(classification_data(8))
-        told.append(str(raised.value))
+        told.append(_refusal(Other(Echo(), args, compute_metrics=Accuracy()), classification_data(8)))
     return told
+
+
+def _refusal(trainer, data):
+    """The ValueError evaluate(data) raises, as text."""
+    with pytest.raises(ValueError) as raised:
+        trainer.evaluate(data)
+    return str(raised.value)
 
 
 def test_a_loader_with_other_batches_is_refused_on_every_rank_before_any_step(tmp_path):
@@ -133,13 +137,9 @@ def uncounted_world(world, out):
 
     args = trainer_args(out, per_device_eval_batch_size=2, batch_eval_metrics=True, remove_unused_columns=False)
     trainer = Short(Echo(), args, compute_metrics=Accuracy())
-    told = []
     unlabelled = [dict(s, labels=None) if i >= 6 else s for i, s in enumerate(classification_data(10))]
-    for data in (classification_data(8), [{k: v for k, v in s.items() if v is not None} for s in unlabelled]):
-        with pytest.raises(ValueError) as raised:
-            trainer.evaluate(data)
-        told.append(str(raised.value))
-    return told
+    return [_refusal(trainer, data) for data in
+            (classification_data(8), [{k: v for k, v in s.items() if v is not None} for s in unlabelled])]
 
 
 def test_a_rank_short_of_batches_or_labels_that_stop_are_refused_on_every_rank(tmp_path):

@@ -60,10 +60,13 @@ class StepMetrics:
         self.predicted = 0  # samples this rank predicted
         self.overflow = False  # its loader made more batches than the steps: no more collectives (finish tells)
         self.labelled: bool | None = None  # whether the steps so far had labels
+        self.dealt = True  # agree's: this rank's loader reads what it was dealt
         self.metrics: dict[str, Any] = {}
 
     def agree(self, dealt: bool, batches: int | None, expected: int) -> None:
-        """Before the first step, on every rank: every loader reads what it was dealt (one collective)."""
+        """Before the first step, on every rank: every loader reads what it was dealt (one collective). `dealt`
+        (evaluation.reads of this rank's loader) is kept for the part: the sampler is not read again."""
+        self.dealt = dealt
         told = gather_objects(self.comm, (dealt, batches, expected), "batch_eval_metrics loaders")
         for rank, (rank_dealt, count, wanted) in enumerate(told):
             if not rank_dealt or (count is not None and count != wanted):

@@ -146,7 +146,7 @@ class EvaluationMixin:
         part.per_step, part.batch_size = not self.args.eval_do_concat_batches, self.args.per_device_eval_batch_size
         part.nan_inf_filter = self.args.logging_nan_inf_filter
         if want_predictions:  # checked on every rank where the predictions are gathered, read only there
-            part.dealt = evaluation.reads(loader, dataset, mine)
+            part.dealt = steps.dealt if steps is not None else evaluation.reads(loader, dataset, mine)
         return part, mine
 
     def _step_metrics(self, loader: Any, dataset: Dataset, mine: list[int], keep: bool) -> StepMetrics | None:
