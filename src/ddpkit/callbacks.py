@@ -58,8 +58,7 @@ class TrainerControl:
 
     def state(self) -> dict[str, Any]:
         """Transformers' ExportableState: the switches as they stand, under "args"."""
-        names = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-        return {"args": {name: bool(getattr(self, name)) for name in names}, "attributes": {}}
+        return {"args": {f.name: bool(getattr(self, f.name)) for f in dataclasses.fields(self)}, "attributes": {}}
 
     def _new_training(self) -> None:
         self.should_training_stop = False
