@@ -7,6 +7,7 @@ the predictions up."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -40,8 +41,9 @@ def test_the_loaders_take_transformers_arguments_and_overrides_are_used(tmp_path
     assert sum(len(b["labels"]) for b in trainer.get_test_dataloader(sets["b"])) == 3
     Counting.made.clear()
     trainer.train()
-    # the plan's look at the data, then each epoch's loader; each epoch's evaluation of both sets
-    assert Counting.made == ["train", "train", "eval", "eval", "train", "eval", "eval"], Counting.made
+    # one loader for the run, as in Transformers (the plan's look at the data, then every epoch); each epoch's
+    # evaluation of both sets
+    assert Counting.made == ["train", "eval", "eval", "eval", "eval"], Counting.made
     assert sum(len(b["labels"]) for b in trainer.get_train_dataloader()) == 8  # a whole epoch, not a run's rest
     with pytest.raises(KeyError, match="it has"):
         trainer.get_eval_dataloader("c")
@@ -156,6 +158,50 @@ def test_the_dataloader_fields_reach_the_loaders_and_train_the_same(tmp_path, lo
     parsed, = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--dataloader_pin_memory", "false"])
     assert parsed.dataloader_pin_memory is False
+
+
+class Noted(torch.utils.data.Dataset):
+    """classification_data whose samples note the process that loaded them (a file per pid in `folder`), with noise
+    from that process's torch RNG (a random augmentation): what a loader worker draws shows in the loss."""
+
+    def __init__(self, n, folder, noise=0.0):
+        self.samples, self.folder, self.noise = classification_data(n), folder, noise
+        folder.mkdir()
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        (self.folder / str(os.getpid())).touch()
+        sample = self.samples[i]
+        return {**sample, "x": sample["x"] + self.noise * torch.randn(6, dtype=torch.float64)}
+
+    def loaders(self):
+        return len(list(self.folder.iterdir()))
+
+
+def test_persistent_workers_last_the_run_and_worker_seeds_resume(tmp_path, local_world):
+    """dataloader_persistent_workers: train() iterates one loader every epoch and evaluation keeps each set's, as
+    Transformers does, so the workers start once (a loader per epoch and per evaluation started them each time).
+    Workers that do not persist draw each epoch's seeds as a loader made for that epoch would: a run resumed at
+    an epoch's start loads the same random augmentations as the uninterrupted run."""
+    train, held = Noted(16, tmp_path / "train"), Noted(6, tmp_path / "eval")
+    args = trainer_args(tmp_path / "kept", per_device_train_batch_size=4, num_train_epochs=3, eval_strategy="epoch",
+                        dataloader_num_workers=1, dataloader_persistent_workers=True)
+    trainer = Trainer(Classifier().double(), args, train_dataset=train, eval_dataset=held)
+    trainer.train()
+    trainer.evaluate()
+    assert [e["epoch"] for e in trainer.state.log_history if "eval_loss" in e] == [1.0, 2.0, 3.0, 3.0]
+    assert (train.loaders(), held.loaders()) == (1, 1)
+    losses = {}
+    for name, resume in (("whole", None), ("resumed", str(tmp_path / "whole" / "checkpoint-4"))):
+        torch.manual_seed(0)
+        args = trainer_args(tmp_path / "whole", per_device_train_batch_size=4, num_train_epochs=3,
+                            save_strategy="epoch", dataloader_num_workers=1)
+        trainer = Trainer(Classifier().double(), args, train_dataset=Noted(16, tmp_path / name, noise=0.5))
+        trainer.train(resume_from_checkpoint=resume)
+        losses[name] = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and e["step"] > 4]
+    assert len(losses["whole"]) == 8 and losses["resumed"] == losses["whole"]
 
 
 def test_train_sampling_strategy_sequential_keeps_the_dataset_order(tmp_path, local_world):

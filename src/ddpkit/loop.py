@@ -1,7 +1,7 @@
 """The order of a training run: epochs, the steps within them, and what follows each step (the callbacks' events,
 the logged loss, the replica check, scheduled evaluations and saves, a stop).
 
-    TrainingLoop(trainer, sampler, progress).run(sampler_state)   # inside Trainer.train, under its stop handler
+    TrainingLoop(trainer, sampler, loader, progress).run(sampler_state)   # inside Trainer.train, under its stop handler
 
 It is the Trainer's own loop, split from it: it reads and writes the trainer's state, and leaves how each thing is
 done (training_step, evaluate, saving, log) to the trainer, whose methods a subclass may override.
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 
 class TrainingLoop:
-    def __init__(self, trainer: Trainer, sampler: Any, progress: Progress):
-        self.trainer, self.sampler, self.progress = trainer, sampler, progress
+    def __init__(self, trainer: Trainer, sampler: Any, loader: Any, progress: Progress):
+        """sampler: the run's train sampler; loader: the run's get_train_dataloader(), iterated every epoch."""
+        self.trainer, self.sampler, self.loader, self.progress = trainer, sampler, loader, progress
 
     def run(self, sampler_state: dict | None) -> None:
         """Epochs until max_steps, the plan's epochs (one a callback ended early counts, as in Transformers), a stop
@@ -75,7 +76,9 @@ class TrainingLoop:
         # A checkpoint taken after the epoch's last step resumes to an empty rest of it: every real sample
         # (consumed >= N) was handed out. The ranks still meet in next_window, as in the uninterrupted run.
         finished = resumed is not None and consumed >= len(t.train_dataset)
-        loader = None if finished else t.get_train_dataloader()  # for the sampler's epoch, set above
+        loader = None if finished else self.loader
+        if loader is not None:
+            t.begin_epoch(loader, epoch)
         batches = iter(()) if loader is None else iter(loader)
         # dataloader_drop_last ends the epoch's data short of its last samples: the step that takes the fullest
         # rank's last batch marks the epoch's end in `consumed`, so that its checkpoint resumes to an empty rest on

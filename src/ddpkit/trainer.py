@@ -258,7 +258,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self.saves.start(choice.run)
         self.saves.keep = resume.protected_checkpoints(self.args.resume_from_checkpoint)
         self._train_sampler = sampler = self.get_train_sampler()
-        self._plan(self.get_train_dataloader(), resume_path)
+        loader = self.get_train_dataloader()  # one for the run, iterated every epoch (TrainingLoop)
+        self._plan(loader, resume_path)
         self.create_optimizer()
         self.create_scheduler(self.state.max_steps)
         sampler_state = self._resume(resume_path) if resume_path else None
@@ -274,7 +275,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         if self.args.eval_on_start:  # as Transformers: after on_train_begin, before the first step
             self.evaluate()
         with self._stop:
-            TrainingLoop(self, sampler, run).run(sampler_state)
+            TrainingLoop(self, sampler, loader, run).run(sampler_state)
             run.bar.close()
             if self.state.should_stop:
                 # SIGTERM or Ctrl-C: one checkpoint at the exact next sample, then a clean return (exit 0).

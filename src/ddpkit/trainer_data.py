@@ -29,6 +29,7 @@ class DataMixin:
     data_collator: Callable
 
     _train_sampler: Any = None  # train()'s, which the loop sets to each epoch and checkpoints save
+    _kept_eval_loaders: dict | None = None  # with persistent workers, one loader per evaluation set, as Transformers
 
     def get_train_sampler(self) -> DistributedSampler:
         a = self.args
@@ -42,14 +43,23 @@ class DataMixin:
                                   shuffle=a.train_sampling_strategy == "random", seed=data_seed(a), drop_last=False)
 
     def get_train_dataloader(self) -> DataLoader:
-        """Transformers': this rank's batches of the training set, for the train sampler's current epoch."""
+        """Transformers': this rank's batches of the training set, for the train sampler's current epoch. train()
+        makes one and iterates it every epoch, as Transformers does (persistent workers live through the run)."""
         sampler = self._train_sampler if self._train_sampler is not None else self.get_train_sampler()
-        epoch = getattr(sampler, "epoch", 0)
-        # Its own generator, seeded per epoch: creating an iterator must not draw from the global RNG, or a run
-        # resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
-        generator = torch.Generator().manual_seed(data_seed(self.args) + epoch)
-        return self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
-                            drop_last=self.args.dataloader_drop_last)
+        # Its own generator, seeded per epoch (begin_epoch): creating an iterator must not draw from the global
+        # RNG, or a run resumed mid-epoch (which creates one more iterator) would drift from the uninterrupted one.
+        generator = torch.Generator().manual_seed(data_seed(self.args) + getattr(sampler, "epoch", 0))
+        loader = self._loader(self.train_dataset, self.args.per_device_train_batch_size, sampler, generator,
+                              drop_last=self.args.dataloader_drop_last)
+        loader.seeded_per_epoch = True
+        return loader
+
+    def begin_epoch(self, loader: DataLoader, epoch: int) -> None:
+        """Before the epoch's iterator: ddpkit's loader draws its workers' seeds (each epoch's, unless they persist)
+        as a loader made for that epoch would, so that a run resumed at any epoch draws the same; an overriding
+        get_train_dataloader's loader is left as it is."""
+        if getattr(loader, "seeded_per_epoch", False):
+            loader.generator.manual_seed(data_seed(self.args) + epoch)
 
     def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
         """Transformers': this rank's share of an evaluation set (the one given, one of the Trainer's by name, or
@@ -67,10 +77,19 @@ class DataMixin:
                                 self.args.per_device_eval_batch_size)
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:
+        # With persistent workers the set's loader is kept, as Transformers keeps it, and its workers with it: the
+        # same set object, of the same length, in batches of the same size (the same indices) gets it back.
+        a = self.args
+        key = (id(dataset), len(dataset), a.per_device_eval_batch_size)
+        kept = self._kept_eval_loaders.get(key) if self._kept_eval_loaders else None
+        if kept is not None and kept.dealt_from is dataset:
+            return kept
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
-        loader = self._loader(dataset, self.args.per_device_eval_batch_size, self._eval_indices(dataset),
-                              torch.Generator().manual_seed(data_seed(self.args)))
+        loader = self._loader(dataset, a.per_device_eval_batch_size, self._eval_indices(dataset),
+                              torch.Generator().manual_seed(data_seed(a)))
         loader.dealt_from = dataset  # what evaluation_loop deals from (an override may filter the set first)
+        if a.dataloader_persistent_workers and a.dataloader_num_workers > 0:
+            self._kept_eval_loaders = {**(self._kept_eval_loaders or {}), key: loader}
         return loader
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:
