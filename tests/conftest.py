@@ -313,6 +313,28 @@ def pad_collate(samples):
     return {"input_ids": ids, "labels": labels}
 
 
+class FixedShards(torch.utils.data.Sampler):
+    """Rank r reads exactly shards[r]: ranks with different numbers of batches."""
+
+    def __init__(self, shards, rank):
+        self.indices, self.epoch, self.consumed = shards[rank], 0, 0
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "seed": 0, "consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+
 def trainer_args(out, **kw):
     """TrainingArguments for the small test runs: logs every step, saves nothing, constant learning rate, on the
     CPU (the worlds are gloo's; on a machine with GPUs the Trainer would otherwise pin one per rank)."""

@@ -18,6 +18,7 @@ from torch import nn
 from conftest import Classifier, classification_data, params_of, run_world, trainer_args
 
 from ddpkit.args import ArgumentError, TrainingArguments
+from ddpkit.callbacks import TrainerCallback
 from ddpkit.precision import AgreedGradScaler, Precision, ScaledPrecision
 from ddpkit.trainer import Trainer
 
@@ -171,11 +172,13 @@ class ScaleTrace(Trainer):
         self.precision = ScaledPrecision(self.world.device, AgreedGradScaler("cpu", comm=self.comm,
                                                                              init_scale=2.0 ** 19, growth_interval=2))
         self.scales = []
+        trainer = self
 
-    def training_step(self, window):
-        out = super().training_step(window)
-        self.scales.append((self.state.global_step + 1, self.precision.scaler.get_scale()))
-        return out
+        class Noting(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                trainer.scales.append((state.global_step, trainer.precision.scaler.get_scale()))
+
+        self.add_callback(Noting())
 
 
 def _fp16_run(out, resume=None):

@@ -16,6 +16,7 @@ from torch import nn
 
 from conftest import (
     Classifier,
+    FixedShards,
     Tagger,
     accuracy,
     classification_data,
@@ -30,28 +31,6 @@ from ddpkit.trainer import Trainer, TrainerCallback
 
 
 # -- equivalence with one process, uneven data, exact evaluation ------------------------------------------------
-
-class FixedShards(torch.utils.data.Sampler):
-    """Rank r reads exactly shards[r]: ranks with different numbers of batches."""
-
-    def __init__(self, shards, rank):
-        self.indices, self.epoch, self.consumed = shards[rank], 0, 0
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self):
-        return len(self.indices)
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "seed": 0, "consumed": self.consumed}
-
-    def load_state_dict(self, state):
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
-
 
 UNEVEN = ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13])  # rank 1 runs out after the first step
 

@@ -94,7 +94,7 @@ class TrainingLoop:
             if window.micro_steps == 0:
                 return True  # every rank is out of data
             learning_rate = t._learning_rate()  # the rate this step uses: Transformers logs it, not the next one
-            step_loss, grad_norm = t.training_step(window)
+            step_loss, grad_norm = t._training_window(window)
             consumed += window.samples
             if left is not None:
                 left -= window.micro_steps

@@ -58,7 +58,7 @@ from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainerStat
 from .timeline import attach_timeline
 from .trainer_data import DataMixin
 from .trainer_eval import EvaluationMixin
-from .trainer_loss import LossMixin
+from .trainer_loss import LossMixin, check_training_step
 from .trainer_results import ResultsMixin
 from .window import StopRequest, Window
 from .wrap import model_from, prepare_model
@@ -87,6 +87,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         # anew at every train() call (as Transformers' train() makes it)
         self.args = args = trainer_arguments(args)
         check_collator(data_collator)
+        check_training_step(self.training_step)
         self.world: DistEnv = init_process_group(backend=args.ddp_backend, timeout=args.ddp_timeout,
                                                  device_type="cpu" if args.use_cpu else None,
                                                  stall_seconds=args.ddp_stall_seconds)
@@ -313,12 +314,14 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         self._loss = RunningLoss.resumed(trainer_state, self.args.logging_nan_inf_filter)  # as if never interrupted
         return sampler_state
 
-    def training_step(self, window: Window) -> tuple[torch.Tensor, float]:
-        """One optimizer step over the window; this rank's share of the step's mean loss, and the grad norm."""
+    def _training_window(self, window: Window) -> tuple[torch.Tensor, float]:
+        """One optimizer step over the window (training_step on each of its micro-batches); this rank's share of
+        the step's mean loss, and the grad norm."""
         filler = window.batches[-1] if window.batches else self._filler()
-        share = step.accumulate(self.model_wrapped, window, filler,
-                                lambda model, batch, weight: self._micro_step(model, batch, window.items, weight),
-                                self.world.device, self._fire)
+        def micro_step(model: nn.Module, batch: Any, weight: float) -> torch.Tensor:
+            return self._window_micro_step(model, batch, window.items, weight)
+
+        share = step.accumulate(self.model_wrapped, window, filler, micro_step, self.world.device, self._fire)
         grad_norm = step.optimizer_step(self.optimizer, self.lr_scheduler, list(self.model.parameters()),
                                         self.args.max_grad_norm, self.precision, self._fire)
         if self._counts_flos:  # this rank's own batches: a filler batch (weight zero) trains nothing

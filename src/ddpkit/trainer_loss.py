@@ -11,6 +11,7 @@ global count. Either way N ranks x accumulation equal one process on the whole g
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +23,38 @@ from .comm import sum_over_ranks
 
 
 class LossMixin:
-    def _micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
-        items = self.count_items(batch)  # on the batch as it came (the CPU's): no device sync per micro-step
-        inputs = self._prepare_inputs(batch)
+    _filler_weight: float = 1.0  # 0 while train() runs a filler batch (a rank out of data) through training_step
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Transformers': one micro-batch's forward and backward (train() calls it on each batch of a step, the
+        gradients reduced over the ranks on the last); a subclass may override it, calling super() or running a
+        loss and its backward of its own. Returns the loss detached, scaled as Transformers' is: this rank's share
+        of the step's mean loss times the world size, so that the mean over the ranks of what a step's calls
+        return, summed, is the step's loss (which train() logs). num_items_in_batch: the items the step's loss
+        averages, over every rank and micro-batch (train() passes it); None: this batch's on every rank."""
+        model.train()
+        world_size = self.world.world_size
+        items = self.count_items(inputs)  # on the batch as it came (the CPU's): no device sync per micro-step
+        global_items = items * world_size if num_items_in_batch is None else float(num_items_in_batch)
+        share = self._micro_step(model, self._prepare_inputs(inputs), items, global_items, self._filler_weight)
+        return share * world_size
+
+    def _window_micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
+        """training_step on one batch of a step's window: its share of the step's mean loss (float64). weight 0: a
+        filler batch, which trains nothing under ddpkit's training_step (an override that computes its own loss
+        trains it, as Transformers' even batches train a duplicate)."""
+        self._filler_weight = weight
+        try:
+            returned = self.training_step(model, batch, torch.tensor(int(global_items)))
+        finally:
+            self._filler_weight = 1.0
+        if not isinstance(returned, torch.Tensor):
+            raise TypeError(f"training_step returned {type(returned).__name__}: it returns the micro-batch's loss as "
+                            "a tensor (loss.detach()), as in Transformers")
+        return returned.detach().to(torch.float64) / self.world.world_size
+
+    def _micro_step(self, model: nn.Module, inputs: Any, items: int, global_items: float,
+                    weight: float) -> torch.Tensor:
         global_items = max(global_items, 1.0)
         with self.precision.autocast(), self.compute_loss_context_manager():
             if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
@@ -110,4 +140,20 @@ class LossMixin:
         self.current_flos = 0.0
 
 
-__all__ = ["LossMixin"]
+def check_training_step(training_step: Any) -> None:
+    """A training_step override must take Transformers' (model, inputs, num_items_in_batch=None): refused at once
+    otherwise (one of ddpkit's earlier signature, the step's window of micro-batches, would fail at the first step)."""
+    try:
+        taken = inspect.signature(training_step).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in taken):
+        return
+    if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in taken) < 2:
+        raise TypeError(f"training_step{inspect.signature(training_step)}: the Trainer calls training_step(model, "
+                        "inputs, num_items_in_batch) on each micro-batch, as Transformers does; override it with "
+                        "that signature (calling super().training_step(model, inputs, num_items_in_batch)), or use a "
+                        "callback's on_step_begin / on_step_end for what happens once per optimizer step")
+
+
+__all__ = ["LossMixin", "check_training_step"]

@@ -66,14 +66,14 @@ class LeavingTrainer(Trainer):
         super().__init__(*a, **kw)
         self.leave_at_step, self.vanish = leave_at_step, vanish
 
-    def training_step(self, window):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         if self.world.rank == 1 and self.state.global_step + 1 == self.leave_at_step:
             print(f"LEAVING 1 {time.time():.3f}", flush=True)
             if self.vanish:
                 time.sleep(1.5)  # long enough for its stall inspector to have published where it is
                 os._exit(0)  # no exit handler runs: nothing tells the others that it left
             sys.exit(0)  # a clean exit in the middle of training: no error, exit code 0
-        return super().training_step(window)
+        return super().training_step(model, inputs, num_items_in_batch)
 
 
 def main(argv: list[str]) -> None:

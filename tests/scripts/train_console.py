@@ -52,12 +52,12 @@ class ConsoleTrainer(Trainer):
         super().__init__(*a, **kw)
         self.script = script
 
-    def training_step(self, window):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         step = self.state.global_step + 1
         if self.world.rank == 1 and step == self.script.crash_at_step:
             raise RuntimeError(f"rank 1 crashes on purpose at step {step}")
         time.sleep(self.script.seconds_per_step)
-        out = super().training_step(window)
+        out = super().training_step(model, inputs, num_items_in_batch)
         if self.world.rank == 1:
             print(f"rank 1 took step {step}", flush=True)
         return out

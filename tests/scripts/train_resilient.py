@@ -94,7 +94,7 @@ class ResilientTrainer(Trainer):
         self.script = script
         self.resumed_at: int | None = None
 
-    def training_step(self, window):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         step = self.state.global_step + 1  # the step about to be taken (global_step counts finished ones)
         if self.resumed_at is None:
             self.resumed_at = self.state.global_step
@@ -103,7 +103,7 @@ class ResilientTrainer(Trainer):
             raise RuntimeError(f"rank 1 crashes on purpose at step {step}")
         if self.script.sleep_per_step:
             time.sleep(self.script.sleep_per_step)
-        return super().training_step(window)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs):
         super().log(logs)
