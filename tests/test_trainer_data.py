@@ -7,6 +7,8 @@ the predictions up."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import multiprocessing
 import os
 
 import numpy as np
@@ -181,18 +183,25 @@ class Noted(torch.utils.data.Dataset):
 
 
 def test_persistent_workers_last_the_run_and_worker_seeds_resume(tmp_path, local_world):
-    """dataloader_persistent_workers: train() iterates one loader every epoch and evaluation keeps each set's, as
-    Transformers does, so the workers start once (a loader per epoch and per evaluation started them each time).
+    """dataloader_persistent_workers: train() iterates one loader every epoch and evaluation keeps one per set name,
+    as Transformers does, so the workers start once (a loader per epoch and per evaluation started them each time);
+    another set under a name replaces its loader, and predict's are not kept (their workers end with the call).
     Workers that do not persist draw each epoch's seeds as a loader made for that epoch would: a run resumed at
     an epoch's start loads the same random augmentations as the uninterrupted run."""
-    train, held = Noted(16, tmp_path / "train"), Noted(6, tmp_path / "eval")
+    train, sets = Noted(16, tmp_path / "train"), {"a": Noted(6, tmp_path / "a"), "b": Noted(4, tmp_path / "b")}
     args = trainer_args(tmp_path / "kept", per_device_train_batch_size=4, num_train_epochs=3, eval_strategy="epoch",
                         dataloader_num_workers=1, dataloader_persistent_workers=True)
-    trainer = Trainer(Classifier().double(), args, train_dataset=train, eval_dataset=held)
+    trainer = Trainer(Classifier().double(), args, train_dataset=train, eval_dataset=sets)
     trainer.train()
     trainer.evaluate()
-    assert [e["epoch"] for e in trainer.state.log_history if "eval_loss" in e] == [1.0, 2.0, 3.0, 3.0]
-    assert (train.loaders(), held.loaders()) == (1, 1)
+    assert [e["epoch"] for e in trainer.state.log_history if "eval_b_loss" in e] == [1.0, 2.0, 3.0, 3.0]
+    assert (train.loaders(), sets["a"].loaders(), sets["b"].loaders()) == (1, 1, 1)
+    alive = lambda: (gc.collect(), len(multiprocessing.active_children()))[1]  # noqa: E731
+    assert alive() == 2  # the two sets' workers
+    for seed in range(3):
+        trainer.predict(classification_data(4, seed=seed))
+        trainer.evaluate(classification_data(4, seed=seed))  # a set of no name: under "eval", replaced each time
+    assert alive() == 3
     losses = {}
     for name, resume in (("whole", None), ("resumed", str(tmp_path / "whole" / "checkpoint-4"))):
         torch.manual_seed(0)

@@ -29,7 +29,7 @@ class DataMixin:
     data_collator: Callable
 
     _train_sampler: Any = None  # train()'s, which the loop sets to each epoch and checkpoints save
-    _kept_eval_loaders: dict | None = None  # with persistent workers, one loader per evaluation set, as Transformers
+    _kept_eval_loaders: dict | None = None  # with persistent workers: evaluation's loader per slot (_eval_loader)
 
     def get_train_sampler(self) -> DistributedSampler:
         a = self.args
@@ -66,7 +66,8 @@ class DataMixin:
         its eval_dataset), whole batches dealt out over the ranks (evaluation.shard); an override must keep this
         sampler (predict and compute_metrics check it: evaluation.reads)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset)
+        slot = eval_dataset if isinstance(eval_dataset, str) else "eval"  # Transformers' key of the loaders it keeps
+        return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset, slot)
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """Transformers': predict's, as get_eval_dataloader's."""
@@ -76,20 +77,21 @@ class DataMixin:
         return evaluation.shard(len(dataset), self.world.rank, self.world.world_size,
                                 self.args.per_device_eval_batch_size)
 
-    def _eval_loader(self, dataset: Dataset) -> DataLoader:
-        # With persistent workers the set's loader is kept, as Transformers keeps it, and its workers with it: the
-        # same set object, of the same length, in batches of the same size (the same indices) gets it back.
+    def _eval_loader(self, dataset: Dataset, slot: str | None = None) -> DataLoader:
+        """A loader of this rank's share of `dataset`. With persistent workers, evaluation keeps one loader (and its
+        workers) per slot, as Transformers does ("eval", or the set's name): the same set object, of the same
+        length, in batches of the same size gets it back; another set's replaces it. predict's are never kept."""
         a = self.args
         key = (id(dataset), len(dataset), a.per_device_eval_batch_size)
-        kept = self._kept_eval_loaders.get(key) if self._kept_eval_loaders else None
-        if kept is not None and kept.dealt_from is dataset:
-            return kept
+        kept = (self._kept_eval_loaders or {}).get(slot)
+        if kept is not None and kept[0] == key and kept[1].dealt_from is dataset:
+            return kept[1]
         # Its own generator: evaluating must not draw from the global RNG that training's dropout uses.
         loader = self._loader(dataset, a.per_device_eval_batch_size, self._eval_indices(dataset),
                               torch.Generator().manual_seed(data_seed(a)))
         loader.dealt_from = dataset  # what evaluation_loop deals from (an override may filter the set first)
-        if a.dataloader_persistent_workers and a.dataloader_num_workers > 0:
-            self._kept_eval_loaders = {**(self._kept_eval_loaders or {}), key: loader}
+        if slot is not None and a.dataloader_persistent_workers and a.dataloader_num_workers > 0:
+            self._kept_eval_loaders = {**(self._kept_eval_loaders or {}), slot: (key, loader)}
         return loader
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, generator: torch.Generator, **kw) -> DataLoader:

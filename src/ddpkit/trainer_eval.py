@@ -43,12 +43,14 @@ class EvaluationMixin:
             dataset = self._eval_set_named(dataset)
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            for name, part in dataset.items():  # the Trainer's own sets by name, as Transformers: loaders kept apart
+                metrics.update(self.evaluate(part if eval_dataset is not None else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
             return metrics
         _check_ignore_keys(ignore_keys)
         start = time.perf_counter()
-        loader = self.get_eval_dataloader(_needed(dataset, "evaluate needs an eval_dataset"))
+        named = eval_dataset if isinstance(eval_dataset, str) else None  # get_eval_dataloader takes the name too
+        loader = self.get_eval_dataloader(named or _needed(dataset, "evaluate needs an eval_dataset"))
         with self._evaluating(dataset):
             output = self.evaluation_loop(loader, "Evaluation", True if self.compute_metrics is None else None,
                                           ignore_keys, metric_key_prefix)
