@@ -162,17 +162,19 @@ def reference_hash(tmp_path_factory):
         yield hash_of_the_end
 
 
-@pytest.mark.parametrize("whom", ["launcher", "job"])
-def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash, whom):
+@pytest.mark.parametrize("whom, persistent", [("launcher", "false"), ("job", "false"), ("job", "true")])
+def test_sigterm_stops_every_rank_with_one_checkpoint_that_resumes_bitwise(tmp_path, reference_hash, whom, persistent):
     """The launcher alone is signalled, as Kubernetes signals a pod's first process, or every process of the job,
-    as SLURM signals a job step's cgroup (the ranks' data loader workers too)."""
+    as SLURM signals a job step's cgroup (the ranks' data loader workers too, also persistent ones, which live
+    through the epochs)."""
     out = tmp_path / "run"
     # 0.5 s per step: the run would take 12 s, so the stop lands long before the end however late we read. Data
     # loader workers: the launcher's SIGTERM reaches each rank's process group, which they must not be in, and a
     # SIGTERM of their own must not end them (a worker killed by it made its rank's next batch raise, and no
     # checkpoint was written).
     with launched("--shutdown-timeout", str(GRACE_S), out=out,
-                  script_args=("--sleep_per_step", "0.5", "--dataloader_num_workers", "2")) as job:
+                  script_args=("--sleep_per_step", "0.5", "--dataloader_num_workers", "2",
+                               "--dataloader_persistent_workers", persistent)) as job:
         job.wait_for(r"^\[rank0\]: LOGGED step \d+$")
         sent = time.monotonic()
         for pid in [job.proc.pid, *(descendants(job.proc.pid) if whom == "job" else [])]:
