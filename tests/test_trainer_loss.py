@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from conftest import Classifier, FixedShards, classification_data, params_of, run_world, trainer_args
 
 from ddpkit.trainer import Trainer
@@ -43,11 +44,51 @@ class OwnLoss(Trainer):
         return loss.detach()
 
 
-def run(world, out, cls, samples):
+class Tenths(Trainer):
+    """Items of three tenths a sample (a weighted mean's weights): counts that are not whole numbers."""
+
+    def count_items(self, batch):
+        return 0.3 * len(batch["labels"])
+
+
+class Summing(Classifier):
+    """Divides its summed loss by the num_items_in_batch it is given, as Transformers' causal LMs do."""
+
+    def forward(self, x, labels, num_items_in_batch=None):
+        logits = self.net(x)
+        if num_items_in_batch is None:
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch,
+                "logits": logits}
+
+
+class OwnCount(Trainer):
+    """A compute_loss of its own that divides by num_items_in_batch (Transformers would train it at 1/world size)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+
+class TransformersBody(Trainer):
+    """Transformers 5's own training_step, less its accelerator (loss.backward() for accelerator.backward)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if not (self.model_accepts_loss_kwargs and num_items_in_batch is not None):
+            loss = loss / self.current_gradient_accumulation_steps
+        loss.backward()
+        return loss.detach()
+
+
+def run(world, out, cls, samples, model=Classifier):
     torch.manual_seed(0)
-    args = trainer_args(f"{out}/{cls.__name__}{samples}", per_device_train_batch_size=2,
+    args = trainer_args(f"{out}/{cls.__name__}{model.__name__}{samples}", per_device_train_batch_size=2,
                         gradient_accumulation_steps=2, num_train_epochs=2)
-    trainer = cls(Classifier().double(), args, train_dataset=classification_data(samples))
+    trainer = cls(model().double(), args, train_dataset=classification_data(samples))
     trainer.calls = []
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -55,8 +96,12 @@ def run(world, out, cls, samples):
 
 
 def seams_world(world, out):
-    return {name: run(world, out, cls, samples) for name, cls, samples in
-            (("plain", Uneven, 14), ("noting", Noting, 14), ("plain even", Trainer, 16), ("own", OwnLoss, 16))}
+    runs = {name: run(world, out, cls, samples) for name, cls, samples in
+            (("plain", Uneven, 14), ("noting", Noting, 14), ("plain even", Trainer, 16), ("own", OwnLoss, 16),
+             ("tenths", Tenths, 16))}
+    for name, cls in (("summing", Trainer), ("transformers", TransformersBody), ("own count", OwnCount)):
+        runs[name] = run(world, out, cls, 16, Summing)
+    return runs
 
 
 def test_training_step_overrides_train_as_in_transformers(tmp_path):
@@ -76,6 +121,17 @@ def test_training_step_overrides_train_as_in_transformers(tmp_path):
         for a, b in zip(even[0], own[0]):  # equal batches: the mean of the means is the mean, to rounding
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
         np.testing.assert_allclose(even[1], own[1], rtol=1e-12)  # logged: the ranks' mean of the returns' sum
+        # Counts need not be whole: three tenths a sample is the plain mean, to rounding (not a truncated count)
+        for a, b in zip(even[0], got["tenths"][0]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(got["tenths"][1], even[1], rtol=1e-6)  # (the ranks sum counts in float32)
+        # Transformers' own body on a model that divides by num_items_in_batch: compute_loss scales by the world
+        # size, as Transformers' does, so it trains and logs the Trainer's own bits (it trained half of them)
+        for other in ("transformers", "own count"):  # and a compute_loss of its own gets the factor from train()
+            for a, b in zip(got["summing"][0], got[other][0]):
+                np.testing.assert_array_equal(a, b)
+            assert got["summing"][1] == got[other][1]
+        np.testing.assert_allclose(got["summing"][1], even[1], rtol=1e-12)  # the mean, as the model's own mean
     for a, b in zip(ranks[0]["own"][0], ranks[1]["own"][0]):
         np.testing.assert_array_equal(a, b)  # replicas identical
 
@@ -99,6 +155,13 @@ def test_training_step_called_alone_and_overrides_of_another_signature(tmp_path,
 
     with pytest.raises(TypeError, match=r"training_step\(model, inputs, num_items_in_batch\)"):
         Window(Classifier().double(), trainer_args(tmp_path), train_dataset=classification_data(8))
+
+    class Before446(Trainer):  # Transformers' signature before 4.46: it would fail at the first step
+        def training_step(self, model, inputs):
+            return super().training_step(model, inputs)
+
+    with pytest.raises(TypeError, match=r"training_step\(model, inputs\): the Trainer calls"):
+        Before446(Classifier().double(), trainer_args(tmp_path), train_dataset=classification_data(8))
 
     class Loose(Trainer):
         def training_step(self, *args, **kwargs):  # passes everything on: accepted

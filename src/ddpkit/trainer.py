@@ -318,6 +318,8 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
         """One optimizer step over the window (training_step on each of its micro-batches); this rank's share of
         the step's mean loss, and the grad norm."""
         filler = window.batches[-1] if window.batches else self._filler()
+        self.current_gradient_accumulation_steps = window.micro_steps  # Transformers': this step's micro-batches
+
         def micro_step(model: nn.Module, batch: Any, weight: float) -> torch.Tensor:
             return self._window_micro_step(model, batch, window.items, weight)
 

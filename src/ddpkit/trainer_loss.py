@@ -24,6 +24,8 @@ from .comm import sum_over_ranks
 
 class LossMixin:
     _filler_weight: float = 1.0  # 0 while train() runs a filler batch (a rank out of data) through training_step
+    _counts_every_rank = False  # while training: num_items_in_batch counts every rank's items (compute_loss)
+    _scaled_by_world = False  # compute_loss multiplied its loss by the world size (_micro_step)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """Transformers': one micro-batch's forward and backward (train() calls it on each batch of a step, the
@@ -33,19 +35,22 @@ class LossMixin:
         return, summed, is the step's loss (which train() logs). num_items_in_batch: the items the step's loss
         averages, over every rank and micro-batch (train() passes it); None: this batch's on every rank."""
         model.train()
-        world_size = self.world.world_size
         items = self.count_items(inputs)  # on the batch as it came (the CPU's): no device sync per micro-step
-        global_items = items * world_size if num_items_in_batch is None else float(num_items_in_batch)
-        share = self._micro_step(model, self._prepare_inputs(inputs), items, global_items, self._filler_weight)
-        return share * world_size
+        if num_items_in_batch is None:
+            num_items_in_batch = items * self.world.world_size
+        with self._counting_every_rank():
+            return self._micro_step(model, self._prepare_inputs(inputs), items, float(num_items_in_batch),
+                                    self._filler_weight)
 
     def _window_micro_step(self, model: nn.Module, batch: Any, global_items: float, weight: float) -> torch.Tensor:
         """training_step on one batch of a step's window: its share of the step's mean loss (float64). weight 0: a
         filler batch, which trains nothing under ddpkit's training_step (an override that computes its own loss
         trains it, as Transformers' even batches train a duplicate)."""
         self._filler_weight = weight
+        count = torch.tensor(int(global_items) if float(global_items).is_integer() else global_items)
         try:
-            returned = self.training_step(model, batch, torch.tensor(int(global_items)))
+            with self._counting_every_rank():
+                returned = self.training_step(model, batch, count)
         finally:
             self._filler_weight = 1.0
         if not isinstance(returned, torch.Tensor):
@@ -53,23 +58,36 @@ class LossMixin:
                             "a tensor (loss.detach()), as in Transformers")
         return returned.detach().to(torch.float64) / self.world.world_size
 
+    @contextlib.contextmanager
+    def _counting_every_rank(self):
+        before, self._counts_every_rank = self._counts_every_rank, True
+        try:
+            yield
+        finally:
+            self._counts_every_rank = before
+
     def _micro_step(self, model: nn.Module, inputs: Any, items: int, global_items: float,
                     weight: float) -> torch.Tensor:
+        """Backpropagate this batch's share of the step's mean loss times the world size (DDP averages the ranks'
+        gradients, but the step's loss is the sum of the ranks' shares: the factor turns that average back into
+        the sum); return it detached, in float64."""
         global_items = max(global_items, 1.0)
         with self.precision.autocast(), self.compute_loss_context_manager():
             if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
-                # The model (or compute_loss_func) divides its summed loss by the count we pass: already its share.
-                share = self.compute_loss(model, inputs,
-                                          num_items_in_batch=torch.tensor(global_items, device=self.world.device))
+                # The model (or compute_loss_func) divides its summed loss by the count we pass, and compute_loss
+                # multiplies it by the world size, as Transformers' does; an override's own compute_loss that
+                # does not (which Transformers would train at 1/world size) gets the factor here.
+                self._scaled_by_world = False
+                loss = self.compute_loss(model, inputs,
+                                         num_items_in_batch=torch.tensor(global_items, device=self.world.device))
+                loss = loss if self._scaled_by_world else loss * self.world.world_size
             else:
                 # A mean over this batch's items times their count is their sum; over the global count it is
                 # this batch's share of the step's mean loss, however the items are spread over batches and ranks.
-                share = self.compute_loss(model, inputs) * (items / global_items)
-        share = share * weight  # 0 for the filler batch of a rank that ran out of data
-        # DDP averages gradients over the ranks, but the step's loss is the *sum* of the ranks' shares:
-        # multiplying by the world size first turns that average back into the sum.
-        self.precision.backward(share * self.world.world_size)
-        return share.detach().to(torch.float64)
+                loss = self.compute_loss(model, inputs) * (items / global_items) * self.world.world_size
+        loss = loss * weight  # 0 for the filler batch of a rank that ran out of data
+        self.precision.backward(loss)
+        return loss.detach().to(torch.float64)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
         """Transformers 5's: nothing, as the autocast (bf16, fp16) is the Trainer's own, around compute_loss
@@ -93,7 +111,8 @@ class LossMixin:
                      num_items_in_batch: torch.Tensor | None = None):
         """The model's loss on `inputs`: the mean over the batch's items (see count_items), or, _loss_of_its_own,
         its own of the outputs of the model called without the labels (num_items_in_batch: the count it divides a
-        sum by, where the model, compute_loss_func or smoothing takes one)."""
+        sum by, where the model, compute_loss_func or smoothing takes one). In training, where that count is every
+        rank's, such a loss is multiplied by the world size, as Transformers' (average_tokens_across_devices)."""
         labels, smoothing = None, self.label_smoothing
         if self._loss_of_its_own() and isinstance(inputs, Mapping) and "labels" in inputs:
             inputs = dict(inputs)
@@ -108,6 +127,11 @@ class LossMixin:
                                           num_items_in_batch)
         else:
             loss = model_io.loss_of(outputs)
+        if num_items_in_batch is not None and self._counts_every_rank and self._divides_by_count():
+            # Transformers' average_tokens_across_devices: a sum over every rank's count, times the world size, so
+            # that DDP's average of the ranks' gradients is the step's. (Evaluation counts this batch's items.)
+            loss = loss * self.world.world_size
+            self._scaled_by_world = True  # (for _micro_step)
         return (loss, outputs) if return_outputs else loss
 
     def _divides_by_count(self) -> bool:
@@ -141,19 +165,20 @@ class LossMixin:
 
 
 def check_training_step(training_step: Any) -> None:
-    """A training_step override must take Transformers' (model, inputs, num_items_in_batch=None): refused at once
-    otherwise (one of ddpkit's earlier signature, the step's window of micro-batches, would fail at the first step)."""
+    """A training_step override must take Transformers' (model, inputs, num_items_in_batch), as train() passes them:
+    refused at once otherwise (Transformers' signature before 4.46, (model, inputs), or ddpkit's earlier one, the
+    step's window of micro-batches, would fail at the first step)."""
     try:
-        taken = inspect.signature(training_step).parameters.values()
+        signature = inspect.signature(training_step)
     except (TypeError, ValueError):
         return
-    if any(p.kind == p.VAR_POSITIONAL for p in taken):
-        return
-    if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in taken) < 2:
-        raise TypeError(f"training_step{inspect.signature(training_step)}: the Trainer calls training_step(model, "
-                        "inputs, num_items_in_batch) on each micro-batch, as Transformers does; override it with "
+    try:
+        signature.bind(None, None, None)
+    except TypeError as error:
+        raise TypeError(f"training_step{signature}: the Trainer calls training_step(model, inputs, "
+                        f"num_items_in_batch) on each micro-batch, as Transformers does ({error}); override it with "
                         "that signature (calling super().training_step(model, inputs, num_items_in_batch)), or use a "
-                        "callback's on_step_begin / on_step_end for what happens once per optimizer step")
+                        "callback's on_step_begin / on_step_end for what happens once per optimizer step") from None
 
 
 __all__ = ["LossMixin", "check_training_step"]
