@@ -196,35 +196,47 @@ def test_transformers_early_stopping_stops_every_rank_after_the_same_evaluation(
 
 
 class Counts(TrainerCallback):
-    """A stateful callback (Transformers' ExportableState shape): how many evaluations it has seen."""
+    """A stateful callback (Transformers' ExportableState shape): how many evaluations it has seen, and a
+    setting it was built with."""
 
-    def __init__(self):
-        self.evaluations = 0
+    def __init__(self, every=1):
+        self.evaluations, self.every = 0, every
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.evaluations += 1
 
     def state(self):
-        return {"args": {}, "attributes": {"evaluations": self.evaluations}}
+        return {"args": {"every": self.every}, "attributes": {"evaluations": self.evaluations}}
 
 
 def test_stateful_callbacks_are_saved_and_restored_only_when_asked(tmp_path, local_world):
     schedule = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2)
-    first = Counts()
+    first = Counts(every=3)
     _trainer(tmp_path / "run", [first], **schedule).train()
     assert first.evaluations == 4
     with open(tmp_path / "run" / "checkpoint-2" / "trainer_state.json") as f:
         saved = json.load(f)["stateful_callbacks"]
     control = {"should_training_stop": False, "should_epoch_stop": False, "should_save": True,
                "should_evaluate": False, "should_log": False}  # what a Transformers run saves there (checked)
-    assert saved == {"Counts": {"args": {}, "attributes": {"evaluations": 2}},
+    assert saved == {"Counts": {"args": {"every": 3}, "attributes": {"evaluations": 2}},
                      "TrainerControl": {"args": control, "attributes": {}}}
-    for restore, expected in ((True, 4), (False, 2)):  # resumed at step 2, evaluated at steps 3 and 4
+    # Resumed at step 2, evaluated at steps 3 and 4; restored, the callback is the one the script holds, built
+    # again from its saved arguments, as Transformers restores it (its attributes alone came back before)
+    for restore, expected in ((True, (4, 3)), (False, (2, 1))):
         again = Counts()
         trainer = _trainer(tmp_path / f"again-{restore}", [again], restore_callback_states_from_checkpoint=restore,
                            **schedule)
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-        assert again.evaluations == expected, restore
+        assert (again.evaluations, again.every) == expected and trainer.callback_handler.callbacks[-1] is again
+
+    class Unbuildable(Counts):
+        def state(self):
+            return {"args": {"often": 2}, "attributes": {}}
+
+    _trainer(tmp_path / "unbuildable", [Unbuildable()], **schedule).train()
+    trainer = _trainer(tmp_path / "refused", [Unbuildable()], restore_callback_states_from_checkpoint=True, **schedule)
+    with pytest.raises(TypeError, match="Unbuildable cannot be built again from the arguments its checkpoint saved"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "unbuildable" / "checkpoint-2"))
 
 
 class OnLogDecides(TrainerCallback):

@@ -3,6 +3,9 @@ and what each step's log says."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -88,3 +91,71 @@ def test_an_epoch_log_after_a_resume_at_the_epochs_end_is_the_uninterrupted_runs
     resumed = _trainer(tmp_path / "resumed", [], **kw)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
     assert logs(resumed) == logs(whole)
+
+
+class StepEvents(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.seen.append(("begin", state.global_step))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(("end", state.global_step, control.should_training_stop))
+
+
+def test_step_events_pair_up_and_the_last_step_ends_training(tmp_path, local_world):
+    """As Transformers: one on_step_begin per step (ddpkit fired one more at each epoch's end, where no data was
+    left and no step followed), and the last step's on_step_end sees should_training_stop, which its checkpoint's
+    saved control holds too."""
+    events = StepEvents()
+    trainer = _trainer(tmp_path, [events], num_train_epochs=3, save_strategy="epoch")
+    trainer.train()
+    assert events.seen == [e for step in range(15) for e in (("begin", step), ("end", step + 1, step + 1 == 15))]
+    with open(tmp_path / "checkpoint-15" / "trainer_state.json") as f:
+        saved = json.load(f)["stateful_callbacks"]["TrainerControl"]["args"]
+    assert saved["should_training_stop"] is True and saved["should_save"] is True
+    with open(tmp_path / "checkpoint-10" / "trainer_state.json") as f:
+        assert json.load(f)["stateful_callbacks"]["TrainerControl"]["args"]["should_training_stop"] is False
+
+
+class Watches(TrainerCallback):
+    """Notes the flags each step's and epoch's end shows, and cancels the save of one step."""
+
+    def __init__(self, veto_at=None):
+        self.seen, self.saves, self.veto_at = [], [], veto_at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(("step", state.global_step, control.should_log, control.should_evaluate, control.should_save))
+        if state.global_step == self.veto_at:
+            control.should_save = False
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.seen.append(("epoch", state.global_step, control.should_log, control.should_evaluate,
+                          control.should_save))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saves.append(state.global_step)
+
+
+def test_the_schedule_is_in_the_control_the_callbacks_see_and_change(tmp_path, local_world):
+    """As Transformers' DefaultFlowCallback: the log, evaluation and save a step's or an epoch's end is due for
+    are set in the control before the callbacks' event (the last step's evaluation and save under "steps" too),
+    and a callback that clears one cancels it (the callbacks saw every flag off, and could not cancel a save)."""
+    watch = Watches(veto_at=4)
+    _trainer(tmp_path / "steps", [watch], num_train_epochs=2, logging_steps=3, eval_strategy="steps", eval_steps=4,
+             save_strategy="steps", save_steps=4).train()
+    due = [("step", s, s % 3 == 0 or s == 10, s % 4 == 0 or s == 10, s % 4 == 0 or s == 10) for s in range(1, 11)]
+    assert watch.seen == due[:5] + [("epoch", 5, False, False, False)] + due[5:] + [("epoch", 10, False, False, False)]
+    assert watch.saves == [8, 10] and _checkpoints(tmp_path / "steps") == ["checkpoint-10", "checkpoint-8"]
+    watch = Watches()  # Transformers' test_no_duplicate_save_on_epoch_strategy: one save, at the epoch's end
+    _trainer(tmp_path / "epoch", [watch], max_steps=2, eval_strategy="epoch", save_strategy="epoch",
+             logging_strategy="epoch").train()
+    assert watch.seen == [("step", 1, False, False, False), ("step", 2, False, False, False),
+                          ("epoch", 2, True, True, True)]
+    assert watch.saves == [2] and _checkpoints(tmp_path / "epoch") == ["checkpoint-2"]
+
+
+def _checkpoints(folder):
+    return sorted(name for name in os.listdir(folder) if name.startswith("checkpoint-"))
+

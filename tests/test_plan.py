@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -242,6 +243,13 @@ def test_train_data_must_give_every_rank_a_sample():
         check_train_data(None, world_size=1)
     with pytest.raises(ValueError, match="1 sample.* 2 processes"):
         check_train_data([1], world_size=2)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(TypeError, match="train_dataset is a Stream, without a length or indexing: ddpkit's Trainer"):
+        check_train_data(Stream(), world_size=1)
 
 
 def test_fractional_eval_and_save_steps_that_round_apart_are_refused_for_the_best_model(tmp_path):

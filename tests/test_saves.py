@@ -64,3 +64,15 @@ def test_a_checkpoint_rotation_cannot_delete_stays_and_the_run_goes_on(tmp_path,
     assert trainer.state.global_step == 6
     assert {"checkpoint-4", "checkpoint-6"} <= set(os.listdir(tmp_path))  # a limit of 1 could not delete 4
     assert integrity.problems(str(tmp_path / "checkpoint-6")) == []
+
+
+def test_checkpoints_and_save_model_hold_the_training_arguments_as_transformers_writes_them(tmp_path, local_world):
+    """training_args.bin: the TrainingArguments, torch.save'd, in every checkpoint (in its marker's checksums) and
+    in save_model's folder, as Transformers' Trainer writes it (scripts torch.load it back)."""
+    trainer = _run(tmp_path)
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in ("checkpoint-4", "checkpoint-6", "final"):
+        args = torch.load(tmp_path / folder / "training_args.bin", weights_only=False)
+        assert type(args) is type(trainer.args) and args.to_dict() == trainer.args.to_dict(), folder
+    assert "training_args.bin" in integrity.read_marker(str(tmp_path / "checkpoint-4"))["crc32"]
+

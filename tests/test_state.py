@@ -62,3 +62,22 @@ def test_ddpkit_state_is_read_with_trainer_state_and_checksummed(tmp_path):
     os.remove(os.path.join(path, "ddpkit_state.json"))
     with pytest.raises(ckpt.CheckpointError, match="ddpkit_state.json is missing"):
         ckpt.load_checkpoint(path)
+
+
+def test_save_to_json_and_load_from_json_as_transformers(tmp_path):
+    """Transformers' pair: every field round-trips; a checkpoint's trainer_state.json loads with the
+    ddpkit_state.json beside it read over it (the global batch, the running sums), as a resume reads them."""
+    state = TrainerState(global_step=7, epoch=1.5, max_steps=20, train_batch_size=16, world_size=2,
+                         log_history=[{"loss": 0.5, "step": 7}], best_metric=0.25, train_loss_sum=3.5)
+    state.save_to_json(str(tmp_path / "state.json"))
+    assert TrainerState.load_from_json(str(tmp_path / "state.json")) == state
+    theirs, ours = state.split(per_device_train_batch_size=8)
+    folder = tmp_path / "checkpoint-7"
+    folder.mkdir()
+    for name, values in (("trainer_state.json", theirs), ("ddpkit_state.json", ours)):
+        (folder / name).write_text(json.dumps(values))
+    assert TrainerState.load_from_json(str(folder / "trainer_state.json")) == state
+    (folder / "ddpkit_state.json").unlink()  # Transformers' own checkpoint: its fields, its meanings
+    alone = TrainerState.load_from_json(str(folder / "trainer_state.json"))
+    assert (alone.global_step, alone.train_batch_size, alone.train_loss_sum) == (7, 8, 0.0)
+

@@ -49,6 +49,18 @@ def test_the_loaders_take_transformers_arguments_and_overrides_are_used(tmp_path
     assert sum(len(b["labels"]) for b in trainer.get_train_dataloader()) == 8  # a whole epoch, not a run's rest
     with pytest.raises(KeyError, match="it has"):
         trainer.get_eval_dataloader("c")
+    # No set, or one the Trainer cannot deal out: clear errors (a TypeError of len() was all they got)
+    alone = Trainer(Classifier().double(), trainer_args(tmp_path / "alone"), train_dataset=classification_data(8))
+    with pytest.raises(ValueError, match="evaluation needs an eval_dataset"):
+        alone.get_eval_dataloader()
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(classification_data(4))
+
+    for call in (alone.get_eval_dataloader, alone.evaluate, alone.predict):
+        with pytest.raises(TypeError, match="evaluation set is a Stream, without a length or indexing"):
+            call(Stream())
 
 
 def other_samplers_world(world, out):

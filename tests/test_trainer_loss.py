@@ -137,7 +137,8 @@ def test_training_step_overrides_train_as_in_transformers(tmp_path):
 
 
 def test_training_step_called_alone_and_overrides_of_another_signature(tmp_path, local_world):
-    trainer = Trainer(Classifier().double(), trainer_args(tmp_path), train_dataset=classification_data(8))
+    data = [{**sample, "x": sample["x"].float()} for sample in classification_data(8)]
+    trainer = Trainer(Classifier(), trainer_args(tmp_path), train_dataset=data)  # float32
     trainer.model.net[2].p = 0.0  # no dropout: the same loss twice
     batch = next(iter(trainer.get_train_dataloader()))
     returned = trainer.training_step(trainer.model, batch)
@@ -146,8 +147,9 @@ def test_training_step_called_alone_and_overrides_of_another_signature(tmp_path,
     want = trainer.compute_loss(trainer.model, batch)
     want.backward()
     assert returned.item() == want.item() and not returned.requires_grad
+    assert returned.dtype == want.dtype  # the loss's own, as Transformers' (float64 was the Trainer's accounting)
     for g, p in zip(got, trainer.model.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=0)
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
 
     class Window(Trainer):
         def training_step(self, window):

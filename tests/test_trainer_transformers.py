@@ -104,7 +104,8 @@ def test_save_model_writes_what_from_pretrained_loads(tmp_path, local_world):
     assert {"config.json", "training_args.json"} <= set(os.listdir(tmp_path / "gpt2"))
     plain = Classifier()
     Trainer(plain, trainer_args(tmp_path / "plain")).save_model(str(tmp_path / "elsewhere"))
-    assert sorted(os.listdir(tmp_path / "elsewhere")) == ["model.safetensors", "training_args.json"]
+    want = ["model.safetensors", "training_args.bin", "training_args.json"]
+    assert sorted(os.listdir(tmp_path / "elsewhere")) == want
     assert all(torch.equal(load_file(tmp_path / "elsewhere" / "model.safetensors")[k], v)
                for k, v in plain.state_dict().items())
 

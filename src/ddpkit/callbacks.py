@@ -97,6 +97,20 @@ class TrainerCallback:
     def on_save(self, args, state, control, **kwargs): pass
 
 
+def _restore(callback: Any, saved: dict[str, Any]) -> None:
+    args = saved.get("args") or {}
+    if args:
+        try:
+            type(callback).__init__(callback, **args)
+        except TypeError as error:
+            raise TypeError(f"restore_callback_states_from_checkpoint: {type(callback).__name__} cannot be built "
+                            f"again from the arguments its checkpoint saved ({sorted(args)}): {error}. Its state() "
+                            "must save its __init__'s arguments, or set restore_callback_states_from_checkpoint "
+                            "to False") from error
+    for key, value in saved.get("attributes", {}).items():
+        setattr(callback, key, value)
+
+
 class CallbackHandler:
     """The Trainer's callbacks, in order, and the objects every event hands them."""
 
@@ -135,8 +149,9 @@ class CallbackHandler:
         return {name: found[0] if len(found) == 1 else found for name, found in states.items()}
 
     def restore_states(self, saved: dict[str, Any]) -> None:
-        """Set each stateful callback's saved `attributes` back (its arguments stay the ones it was built with);
-        callbacks of classes the checkpoint does not name keep their state."""
+        """Each stateful callback as the checkpoint saved it, as Transformers restores it: built again from its
+        saved `args` (in place: the object the script holds, in its place in the list), then its `attributes`
+        set; callbacks of classes the checkpoint does not name keep their state."""
         seen: dict[str, int] = {}
         for callback in self.callbacks:
             name = type(callback).__name__
@@ -145,8 +160,7 @@ class CallbackHandler:
             states = saved[name] if isinstance(saved[name], list) else [saved[name]]
             index = seen[name] = seen.get(name, -1) + 1
             if index < len(states):
-                for key, value in states[index].get("attributes", {}).items():
-                    setattr(callback, key, value)
+                _restore(callback, states[index])
 
     def __getattr__(self, name: str) -> Any:
         """Transformers' handler methods, which a Trainer subclass calls itself (its question-answering trainer:

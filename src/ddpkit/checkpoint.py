@@ -16,6 +16,8 @@ A checkpoint is the folder ``output_dir/checkpoint-<step>/``:
     scheduler.pt             scheduler.state_dict(), likewise
     scaler.pt                fp16's GradScaler.state_dict() (the loss scale; only with fp16), likewise
     sampler_state.json       the data position: {"epoch", "seed", "consumed"} (+ "group_size": group_by_length)
+    training_args.bin        the Trainer's TrainingArguments, torch.save'd, as Transformers writes them (for
+                             scripts that read them back; ddpkit never loads it: it is a pickle)
     rng_state_<rank>.pth     every rank's python / numpy / torch RNG state, likewise (a world of one writes it
                              also as rng_state.pth, the name a Transformers Trainer of one process reads)
     trainer_state.json       global_step, log_history, ...: Transformers' TrainerState fields alone, so that
@@ -71,6 +73,7 @@ SAMPLER_FILE = "sampler_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
 SINGLE_RNG_FILE = "rng_state.pth"  # a Transformers Trainer's, in a world of one: it reads no other there
 DDPKIT_STATE_FILE = "ddpkit_state.json"  # the progress fields Transformers' TrainerState has not
+TRAINING_ARGS_FILE = "training_args.bin"  # the TrainingArguments, pickled, as Transformers' Trainer saves them
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ def save_weights(model: torch.nn.Module, path: str) -> None:
 
 def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_state, sampler_state, rng_states,
                   scaler=None, crc32: dict[str, int] | None = None, run: str | None = None,
-                  ddpkit_state: dict | None = None, processor: Any = None) -> None:
+                  ddpkit_state: dict | None = None, processor: Any = None, training_args: Any = None) -> None:
     """Every file but ZeRO's shards, then the marker with every file's CRC-32 (crc32: the shards', which their
     ranks computed) and the id of the run that wrote it (ddpkit.runs)."""
     sums = dict(crc32 or {})
@@ -109,6 +112,9 @@ def _write_folder(folder: str, step: int, model, optimizer, scheduler, trainer_s
             sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, saved))
     if sampler_state is not None:
         sums[SAMPLER_FILE] = write_json(os.path.join(folder, SAMPLER_FILE), sampler_state)
+    if training_args is not None:
+        sums[TRAINING_ARGS_FILE] = write_checksummed(os.path.join(folder, TRAINING_ARGS_FILE),
+                                                     functools.partial(torch.save, training_args))
     for rank, state in enumerate(rng_states):
         for name in [RNG_FILE.format(rank=rank)] + [SINGLE_RNG_FILE] * (len(rng_states) == 1):
             sums[name] = write_checksummed(os.path.join(folder, name), functools.partial(torch.save, state))
@@ -180,7 +186,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                     scheduler: Any = None, sampler_state: dict | None = None,
                     save_total_limit: int | None = None, keep: tuple[str, ...] = (), scaler: Any = None,
                     run: str | None = None, rng: bool = True, ddpkit_state: dict | None = None,
-                    processor: Any = None) -> str:
+                    processor: Any = None, training_args: Any = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` from rank 0 and return its path; call it on every rank.
 
     model: the unwrapped module (not the DDP wrapper), whose weights are the same on every rank.
@@ -207,7 +213,7 @@ def save_checkpoint(output_dir: str, step: int, *, model: torch.nn.Module, train
                 remove_stale(output_dir)
                 os.makedirs(tmp)
             _write_folder(tmp, step, model, None if sharded else optimizer, scheduler, trainer_state,
-                          sampler_state, rng_states, scaler, shard_sums, run, ddpkit_state, processor)
+                          sampler_state, rng_states, scaler, shard_sums, run, ddpkit_state, processor, training_args)
             _publish(tmp, final, run)
             # None past this step: a later train() call's of the same run, in a restarted script (rotate's until)
             rotate_checkpoints(output_dir, save_total_limit, keep=(final, *keep), run=run, until=step)

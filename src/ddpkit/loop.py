@@ -20,7 +20,7 @@ import torch
 
 from . import model_io
 from .comm import max_over_ranks
-from .plan import SavedRest
+from .plan import SavedRest, flow
 from .report import Progress
 from .timeline import DATA_WAIT
 from .window import Window, agree_on_window, take_batches
@@ -51,16 +51,16 @@ class TrainingLoop:
             if ended:
                 epoch += 1
                 self.sampler.set_epoch(epoch)  # a checkpoint written now resumes at the start of the next epoch
+            self.set_flow("epoch")
             t._fire("on_epoch_end")
             t._agreement.settle(t.control, "epoch end")
             # logging_strategy "epoch" (or a callback's should_log): the loss since the last log, before the
             # epoch's evaluation, as Transformers logs, evaluates and saves; never twice for one step.
             # The last step's grad_norm and learning rate (state.last_step_log: a resumed run's is its checkpoint's)
-            if (t.args.logging_strategy == "epoch" or t.control.should_log) and t.state.last_step_log and \
-                    t._loss_logged_step != t.state.global_step:
+            if t.control.should_log and t.state.last_step_log and t._loss_logged_step != t.state.global_step:
                 self.log_loss(*t.state.last_step_log)
             t.control.should_log = False
-            t._maybe_evaluate_and_save(self.sampler, step_end=False)
+            t._maybe_evaluate_and_save(self.sampler)
             if not ended:
                 break  # max_steps reached inside the epoch, or a callback stopped training
 
@@ -89,10 +89,10 @@ class TrainingLoop:
                                       t.world.device))
         while t.state.global_step < t.state.max_steps:
             t.control.should_save = t.control.should_evaluate = t.control.should_log = False
-            t._fire("on_step_begin")
             window = self.next_window(batches)
             if window.micro_steps == 0:
                 return True  # every rank is out of data
+            t._fire("on_step_begin")  # as Transformers: once the step's data is in (none: no step, no event)
             learning_rate = t._learning_rate()  # the rate this step uses: Transformers logs it, not the next one
             step_loss, grad_norm = t._training_window(window)
             consumed += window.samples
@@ -103,16 +103,29 @@ class TrainingLoop:
             t.state.global_step += 1
             t.state.num_input_tokens_seen += window.tokens
             t.state.epoch = epoch + min(1.0, consumed / max(1, len(t.train_dataset)))
+            self.set_flow("step")
             t._fire("on_step_end")
             t._agreement.settle(t.control, f"step {t.state.global_step}")
             self.after_step(step_loss, grad_norm, window.samples, learning_rate)
             t.state.should_stop = window.stop  # a scheduled save of this step is the stop's: it says so
-            t._maybe_evaluate_and_save(sampler, step_end=True)  # as the uninterrupted run would, first
+            t._maybe_evaluate_and_save(sampler)  # as the uninterrupted run would, first
             if window.stop or t.control.should_training_stop:
                 return False
             if t.control.should_epoch_stop:
                 return True
         return False
+
+    def set_flow(self, moment: str) -> None:
+        """Transformers' DefaultFlowCallback, before the callbacks' on_step_end or on_epoch_end: the log,
+        evaluation and save the schedule asks for (plan.flow), and after the last step should_training_stop, set
+        in the control, where the callbacks see them and may change them; the Trainer acts on the control."""
+        t = self.trainer
+        log, evaluate, save = flow(t.args, t.state, moment)
+        control = t.control
+        control.should_log, control.should_evaluate = control.should_log or log, control.should_evaluate or evaluate
+        control.should_save = control.should_save or save
+        if moment == "step" and t.state.global_step >= t.state.max_steps:
+            control.should_training_stop = True
 
     def next_window(self, batches: Any) -> Window:
         """The next window of this rank's micro-batches, agreed with the other ranks (one all-reduce)."""
@@ -140,11 +153,8 @@ class TrainingLoop:
         t, run = self.trainer, self.progress
         run.step(samples)
         t._loss.step(step_loss)  # this rank's share; summed over the ranks with the next window
-        step, args = t.state.global_step, t.args
-        # Transformers' DefaultFlowCallback: every logging_steps under "steps", and step 1 with logging_first_step;
-        # ddpkit also logs the last step under "steps" (README), so a run's log ends on its last loss.
-        by_steps = args.logging_strategy == "steps" and (step % t.state.logging_steps == 0 or step == t.state.max_steps)
-        logging = by_steps or (step == 1 and args.logging_first_step) or t.control.should_log
+        step = t.state.global_step
+        logging = t.control.should_log  # the schedule's (set_flow) or a callback's, rank 0's
         t.control.should_log = False
         t.state.last_step_log = [grad_norm, learning_rate]
         if logging:

@@ -179,6 +179,22 @@ def due(eval_strategy: str, save_strategy: str, moment: str, step: int, eval_ste
     return eval_strategy == "epoch", save_strategy == "epoch"
 
 
+def flow(args: Any, state: Any, moment: str) -> tuple[bool, bool, bool]:
+    """(log, evaluate, save): what Transformers' DefaultFlowCallback asks for at a step's end ("step") or an epoch's
+    ("epoch"), which the Trainer sets in the control before the callbacks' event, so that they see it and may
+    change it. At the last step, under the "steps" strategies, an evaluation and a save too, and (ddpkit's) a log
+    under logging_strategy "steps"; eval_delay holds evaluations back (in steps, or epochs under "epoch")."""
+    step = state.global_step
+    evaluate, save = due(args.eval_strategy, args.save_strategy, moment, step, state.eval_steps, state.save_steps)
+    if moment == "epoch":
+        return args.logging_strategy == "epoch", evaluate and args.eval_delay <= state.epoch, save
+    last = step >= state.max_steps
+    log = (step == 1 and args.logging_first_step) or (args.logging_strategy == "steps" and
+                                                       (step % state.logging_steps == 0 or last))
+    evaluate = (evaluate or (last and args.eval_strategy == "steps")) and args.eval_delay <= step
+    return log, evaluate, save or (last and args.save_strategy == "steps")
+
+
 def epochs_to_train(plan: StepPlan, resumed: SavedPlan | None = None) -> int:
     """The epochs (counted from the first) a run may start: the plan's, as Transformers' Trainer bounds its epoch
     loop, so that an epoch a callback ended early (should_epoch_stop) counts as one, also in a run resumed with
@@ -192,15 +208,26 @@ def epochs_to_train(plan: StepPlan, resumed: SavedPlan | None = None) -> int:
     return max(plan.num_train_epochs, math.ceil(round(resumed.epoch + left / steps_per_epoch, 6)))
 
 
+def check_sized(dataset: Any, role: str) -> None:
+    """Fail clearly on a dataset without a length (an IterableDataset, a generator), which the Trainer cannot deal
+    out: it gives every rank its own samples, each once, and resumes at the exact next one."""
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"the {role} is a {type(dataset).__name__}, without a length or indexing: ddpkit's Trainer "
+                        "deals a map-style dataset's samples over the ranks, each once, and resumes at the exact "
+                        "next sample. Give it one (a list of the samples, a datasets.Dataset, or a Dataset with "
+                        "__len__ and __getitem__); an IterableDataset cannot be dealt so")
+
+
 def check_train_data(dataset: Any, world_size: int) -> None:
-    """Fail clearly when there is no training data, or less than one sample per rank."""
+    """Fail clearly when there is no training data, not a map-style dataset, or less than one sample per rank."""
     if dataset is None:
         raise ValueError("Trainer.train needs a train_dataset")
+    check_sized(dataset, "train_dataset")
     if len(dataset) < world_size:
         raise ValueError(f"the train_dataset has {len(dataset)} sample(s) but {world_size} processes train on "
                          "it: every rank needs at least one sample of its own. Start fewer processes "
                          "(--nproc-per-node) or use more data")
 
 
-__all__ = ["check_train_data", "due", "epochs_to_train", "SavedPlan", "SavedRest", "StepPlan", "interval", "plan_for",
-           "plan_steps", "total_steps"]
+__all__ = ["check_sized", "check_train_data", "due", "epochs_to_train", "flow", "SavedPlan", "SavedRest", "StepPlan",
+           "interval", "plan_for", "plan_steps", "total_steps"]

@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import checkpoint, integrity
+import torch
+
+from . import atomic, checkpoint, integrity
 from .best import BestModel
 from .comm import Comm, decided_by_main
 from .env import DistEnv
@@ -25,7 +27,7 @@ from .env import DistEnv
 
 class Saves:
     def __init__(self, args: Any, comm: Comm, world: DistEnv, best: BestModel | None = None, processor: Any = None):
-        self.output_dir = args.output_dir
+        self.args, self.output_dir = args, args.output_dir  # args: training_args.bin's
         self.processor = processor  # what every checkpoint and save_model also save: saved_processor's
         self.save_total_limit = args.save_total_limit
         self.per_device_train_batch_size = args.per_device_train_batch_size  # trainer_state.json's train_batch_size
@@ -86,7 +88,7 @@ class Saves:
             self.output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state=theirs,
             ddpkit_state=ours, sampler_state=sampler_state, comm=self.comm, world=self.world,
             save_total_limit=self.save_total_limit, keep=(*self.keep, *BestModel.protected(state)), scaler=scaler,
-            run=self.run, rng=rng, processor=self.processor)
+            run=self.run, rng=rng, processor=self.processor, training_args=self.args)
         self._written.add((self.run, step))
         return folder
 
@@ -95,7 +97,7 @@ class Saves:
         Transformers' Trainer under DDP: scripts call it on every rank or under `if trainer.is_world_process_zero()`.
         Rank 0's failure raises there, and its exit takes the job down (ddpkit launch, torchrun)."""
         if self.world.is_main:
-            save_model(model, output_dir, training_args, self.processor)
+            save_model(model, output_dir, training_args, self.processor, self.args)
 
     def load_best(self, model: Any, state: Any) -> str | None:
         """load_best_model_at_end: every rank loads the best checkpoint's weights, so the replicas stay equal."""
@@ -115,11 +117,12 @@ def saved_processor(processing_class: Any, data_collator: Any) -> Any:
     return found if callable(getattr(found, "save_pretrained", None)) else None
 
 
-def save_model(model: Any, output_dir: str, training_args: dict, processor: Any = None) -> None:
-    """The model, the processor (a tokenizer: saved_processor's) and training_args.json into output_dir (rank 0's
-    part of Trainer.save_model). A Transformers model is saved by its save_pretrained, as Transformers' Trainer
-    saves it: config.json beside the weights, so that from_pretrained(output_dir) loads it; any other model as
-    model.safetensors. The processor saves first, as in a checkpoint: a name both write (config.json) is the model's."""
+def save_model(model: Any, output_dir: str, training_args: dict, processor: Any = None, args: Any = None) -> None:
+    """The model, the processor (a tokenizer: saved_processor's), training_args.json and (args, where given)
+    Transformers' training_args.bin into output_dir (rank 0's part of Trainer.save_model). A Transformers model is
+    saved by its save_pretrained, as Transformers' Trainer saves it: config.json beside the weights, so that
+    from_pretrained(output_dir) loads it; any other model as model.safetensors. The processor saves first, as in
+    a checkpoint: a name both write (config.json) is the model's."""
     os.makedirs(output_dir, exist_ok=True)
     if processor is not None:
         processor.save_pretrained(output_dir)
@@ -128,6 +131,9 @@ def save_model(model: Any, output_dir: str, training_args: dict, processor: Any 
     else:
         checkpoint.save_weights(model, os.path.join(output_dir, checkpoint.MODEL_FILE))
     checkpoint.write_json(os.path.join(output_dir, "training_args.json"), training_args)
+    if args is not None:
+        with atomic.replacing_path(os.path.join(output_dir, checkpoint.TRAINING_ARGS_FILE)) as path:
+            torch.save(args, path)
 
 
 __all__ = ["Saves", "save_model", "saved_processor"]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from .atomic import replacing
 
 
 class EvalPrediction:
@@ -132,6 +136,23 @@ class TrainerState:
     def from_dict(cls, values: Mapping[str, Any]) -> TrainerState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
+
+    def save_to_json(self, json_path: str) -> None:
+        """Transformers': every field as JSON (indented, keys sorted), written whole or not at all."""
+        with replacing(json_path) as f:
+            f.write(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load_from_json(cls, json_path: str) -> TrainerState:
+        """Transformers': the state save_to_json wrote, or a checkpoint's trainer_state.json, read with the
+        ddpkit_state.json beside it over it, where there is one (as a resume reads them: `split`)."""
+        with open(json_path) as f:
+            values = json.load(f)
+        ours = os.path.join(os.path.dirname(json_path), "ddpkit_state.json")
+        if os.path.basename(json_path) == "trainer_state.json" and os.path.exists(ours):
+            with open(ours) as f:
+                values.update(json.load(f))
+        return cls.from_dict(values)
 
     def last_logged(self, key: str) -> float:
         """The newest logged value of `key`, or NaN when none is logged yet."""

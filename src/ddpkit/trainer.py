@@ -288,7 +288,7 @@ class Trainer(DataMixin, LossMixin, EvaluationMixin, ResultsMixin):
                 train_loss = self._loss.train_loss(self.comm, self.world)  # total_flos: stored by the save
                 metrics = {**run.summary(train_loss), "total_flos": self.state.total_flos, "stopped": 1.0}
                 return TrainOutput(self.state.global_step, train_loss, metrics)
-        self._maybe_evaluate_and_save(sampler, step_end=False, final=True)
+        self._maybe_evaluate_and_save(sampler, final=True)
         resume.end_run(self.args.output_dir, self.world, choice, self.state.global_step)
         step.wait_for_params(self.optimizer)  # stage 2's last all-gathers: in the logged weights, not over the best
         self.store_flos()

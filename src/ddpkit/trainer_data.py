@@ -15,6 +15,7 @@ from . import evaluation
 from .collator import without_unused_columns
 from .length_sampler import LengthGroupedSampler, dataset_lengths
 from .loader_workers import SparedLoader
+from .plan import check_sized
 from .sampler import DistributedSampler
 
 
@@ -66,6 +67,9 @@ class DataMixin:
         its eval_dataset), whole batches dealt out over the ranks (evaluation.shard); an override must keep this
         sampler (predict and compute_metrics check it: evaluation.reads)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.get_eval_dataloader: evaluation needs an eval_dataset (give the Trainer one, or "
+                             "pass one here)")
         slot = eval_dataset if isinstance(eval_dataset, str) else "eval"  # Transformers' key of the loaders it keeps
         return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset, slot)
 
@@ -81,6 +85,7 @@ class DataMixin:
         """A loader of this rank's share of `dataset`. With persistent workers, evaluation keeps one loader (and its
         workers) per slot, as Transformers does ("eval", or the set's name): the same set object, of the same
         length, in batches of the same size gets it back; another set's replaces it. predict's are never kept."""
+        check_sized(dataset, "evaluation set")
         a = self.args
         key = (id(dataset), len(dataset), a.per_device_eval_batch_size)
         kept = (self._kept_eval_loaders or {}).get(slot)

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from . import evaluation, model_io
 from .batch_metrics import StepMetrics
-from .plan import due
+from .plan import check_sized, due
 from .state import EvalLoopOutput, PredictionOutput
 from .timeline import CHECKPOINT, EVALUATION
 
@@ -236,14 +236,15 @@ class EvaluationMixin:
         set's runtime: eval_<name>_runtime for a dict."""
         return f"{(self._evaluation_sets() or ['eval'])[0]}_runtime"
 
-    def _maybe_evaluate_and_save(self, sampler, step_end: bool, final: bool = False) -> None:
+    def _maybe_evaluate_and_save(self, sampler, final: bool = False) -> None:
         step = self.state.global_step
-        moment = "step" if step_end else "final" if final else "epoch"
-        evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, moment, step, self.state.eval_steps,
-                             self.state.save_steps, evaluated=self._evaluated_step == step)
-        # eval_delay: Transformers' rule, in epochs under eval_strategy epoch, else in steps
-        evaluate = evaluate and self.args.eval_delay <= (self.state.epoch if self.args.eval_strategy == "epoch"
-                                                         else step)
+        evaluate = save = False  # after a step or an epoch: the control's, which the schedule set (loop.set_flow)
+        if final:  # a run that would end unevaluated or unsaved otherwise
+            evaluate, save = due(self.args.eval_strategy, self.args.save_strategy, "final", step,
+                                 self.state.eval_steps, self.state.save_steps, evaluated=self._evaluated_step == step)
+            # eval_delay: Transformers' rule, in epochs under eval_strategy epoch, else in steps
+            evaluate = evaluate and self.args.eval_delay <= (self.state.epoch if self.args.eval_strategy == "epoch"
+                                                             else step)
         evaluate = evaluate or self.control.should_evaluate  # the control is agreed
         self.control.should_evaluate = False
         new_best = False
@@ -278,6 +279,8 @@ def _main_input(batch: Any, model: nn.Module) -> Any:
 
 
 def _needed(dataset: Any, need: str) -> Any:
+    if dataset is not None:
+        check_sized(dataset, "evaluation set")
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"Trainer.{need} with at least one sample")
     return dataset

@@ -70,7 +70,7 @@ class LossMixin:
                     weight: float) -> torch.Tensor:
         """Backpropagate this batch's share of the step's mean loss times the world size (DDP averages the ranks'
         gradients, but the step's loss is the sum of the ranks' shares: the factor turns that average back into
-        the sum); return it detached, in float64."""
+        the sum); return it detached."""
         global_items = max(global_items, 1.0)
         with self.precision.autocast(), self.compute_loss_context_manager():
             if self._divides_by_count() and model_io.labels_of(inputs) is not None:  # as Transformers
@@ -87,7 +87,7 @@ class LossMixin:
                 loss = self.compute_loss(model, inputs) * (items / global_items) * self.world.world_size
         loss = loss * weight  # 0 for the filler batch of a rank that ran out of data
         self.precision.backward(loss)
-        return loss.detach().to(torch.float64)
+        return loss.detach()  # in the loss's dtype, as Transformers' (the step's accounting is float64)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
         """Transformers 5's: nothing, as the autocast (bf16, fp16) is the Trainer's own, around compute_loss
