@@ -126,8 +126,10 @@ def check_predictions(pred0, pred1):
         # on_predict got each call's metrics; two batches per call of 7 on each rank, and the one sample's on rank 0.
         assert pred["seen"][:2] == [sorted(metrics), sorted(bare_metrics)] and len(pred["seen"]) == 4
         assert pred["batches"] == (6 if pred is pred1 else 7)
-        # A tuple without a loss: its first element is the logits; bfloat16 ones come as float32.
-        np.testing.assert_allclose(pred["tuple"], pred["tuple truth"], rtol=0, atol=1e-12)
+        # A tuple without a loss: all of it, as Transformers' predict gives it; bfloat16 logits come as float32.
+        assert isinstance(pred["tuple"], tuple) and len(pred["tuple"]) == 2
+        np.testing.assert_allclose(pred["tuple"][0], pred["tuple truth"], rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(pred["tuple"][1], np.zeros(7))
         assert pred["bf16"][0] == np.float32 and pred["bf16"][1] < 0.05
         assert "some batches of the dataset have labels and some do not" in pred["halves"]
         # Several label_names: a tuple of label arrays, each gathered into dataset order.
@@ -398,3 +400,36 @@ def test_the_speed_metrics_are_transformers_rounded_ones(monkeypatch):
     mine = {}
     add_speed(mine, "eval", 101.23456789 - 100.0, samples=10, global_batch=4)
     assert mine == theirs and mine["eval_runtime"] == 1.2346
+
+
+class PerBatchScale(Classifier):
+    """Beside its logits, a scalar per batch (no row per sample), and in the last batch (sample 6, rank 1's on 2
+    ranks) a third output."""
+
+    def forward(self, x, labels=None, idx=None):
+        out = super().forward(x, labels)
+        extra = {"late": out["logits"]} if idx is not None and int(idx[0]) == 6 else {}
+        return {**out, "scale": out["logits"].mean(), **extra}
+
+
+def uneven_outputs_world(world, out):
+    trainer = Trainer(PerBatchScale().double(), trainer_args(out, per_device_eval_batch_size=2),
+                      compute_metrics=lambda prediction, compute_result=True: {})
+    found = []
+    for ignored, by_batch in ((["late"], False), (["scale"], False), (["late"], True)):
+        trainer.args.batch_eval_metrics = by_batch  # then compute_metrics at each step, over the ranks
+        try:
+            trainer.predict(classification_data(7), ignore_keys=ignored)
+            found.append("no error")
+        except ValueError as exc:
+            found.append(str(exc))
+    return found
+
+
+def test_outputs_that_cannot_be_gathered_sample_by_sample_are_refused_on_every_rank(tmp_path):
+    """Every output is gathered along its first dimension, a row per sample: one without (a scalar per batch) is
+    refused, and so are batches with other outputs than the others', on both ranks alike (the rank whose batches
+    are fine too), after the one gather (or under batch_eval_metrics the step's): no rank left waiting."""
+    for rows, structure, step_rows in run_world(uneven_outputs_world, 2, args=(str(tmp_path),), deadline_s=60):
+        assert "outputs have [2, 1] rows" in rows and "ignore_keys" in rows and "[2, 1] rows" in step_rows
+        assert "differ in structure: some are one array, some a tuple of 2" in structure

@@ -242,3 +242,26 @@ def test_label_smoothing_is_transformers_label_smoother_bit_for_bit():
     classes, targets = torch.randn(5, 4, generator=g), torch.tensor([0, 3, -100, 1, 2])  # a classifier's, a tuple
     assert torch.equal(model_io.smoothed_loss((classes,), targets, 0.2),
                        trainer_pt_utils.LabelSmoother(0.2)((classes,), targets))
+
+
+def test_the_predictions_are_every_output_but_the_loss_as_transformers_prediction_step_takes_them():
+    """Transformers: a mapping's values but "loss" and ignore_keys, a tuple's elements after the loss, one tensor
+    where one is left (ddpkit took "logits" or the element after the loss alone)."""
+    import transformers
+
+    from ddpkit.model_io import ignored_at_inference, predictions_of
+
+    loss, a, b = torch.tensor(1.0), torch.ones(2, 3), torch.zeros(2)
+    assert predictions_of({"loss": loss, "logits": a}) is a
+    start_end = predictions_of(transformers.modeling_outputs.QuestionAnsweringModelOutput(loss, a, b))
+    assert start_end[0] is a and start_end[1] is b and len(start_end) == 2  # the Nones left out, as ModelOutput does
+    assert predictions_of({"loss": loss, "output": a, "cache": b}, ignore_keys=["cache"]) is a
+    assert predictions_of({"loss": None, "output": a, "norm": b}, with_loss=False) == (a, b)
+    assert predictions_of((loss, a, b)) == (a, b) and predictions_of((a, b), with_loss=False) == (a, b)
+    assert predictions_of(a, with_loss=False) is a
+    with pytest.raises(ValueError, match="no predictions beside its loss"):
+        predictions_of({"loss": loss, "logits": a}, ignore_keys=["logits"])
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16)
+    assert ignored_at_inference(transformers.BertForQuestionAnswering(config), None) == ["cache"]
+    assert ignored_at_inference(nn.Linear(2, 2), None) == [] and ignored_at_inference(nn.Linear(2, 2), ["x"]) == ["x"]

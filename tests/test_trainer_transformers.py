@@ -177,7 +177,7 @@ def test_a_tokenizer_as_processing_class_pads_and_is_saved_as_transformers_does(
 def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp_path, local_world):
     """compute_loss_func(outputs, labels, num_items_in_batch): the model gets no labels, the function a sum over
     the global item count, so training equals the model's own mean loss (accumulation included); and
-    compute_metrics gets preprocess_logits_for_metrics(logits, labels) of every batch, which must be a tensor."""
+    compute_metrics gets preprocess_logits_for_metrics(logits, labels) of every batch: tensors, a tuple of them too."""
     import torch.nn.functional as F
 
     seen = {"labels": [], "counts": []}
@@ -208,8 +208,13 @@ def test_compute_loss_func_and_preprocess_logits_for_metrics_as_transformers(tmp
         logits = trainer.model.eval()(torch.stack([s["x"] for s in classification_data(10, seed=1)]))["logits"]
     labels = torch.stack([s["labels"] for s in classification_data(10, seed=1)])
     assert metrics["eval_accuracy"] == float((logits.argmax(-1) == labels).double().mean())
-    trainer.preprocess_logits_for_metrics = lambda logits, labels: (logits, labels)
-    with pytest.raises(TypeError, match="preprocess_logits_for_metrics returned tuple"):
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: (logits.argmax(-1), labels)  # gathered as a tuple
+    trainer.compute_metrics = lambda p: {"accuracy": float((p.predictions[0] == p.label_ids).mean()),
+                                         "same": bool((p.predictions[1] == p.label_ids).all())}
+    again = trainer.evaluate(classification_data(10, seed=1))
+    assert again["eval_accuracy"] == metrics["eval_accuracy"] and again["eval_same"] is True
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: {"logits": logits}
+    with pytest.raises(TypeError, match="preprocess_logits_for_metrics returned dict"):
         trainer.evaluate(classification_data(10, seed=1))
 
 

@@ -82,7 +82,7 @@ class StepMetrics:
         else:
             for entries in lists:
                 entries.clear()
-        self.predicted += 0 if batch[0] is None else len(batch[0])
+        self.predicted += 0 if batch[0] is None else evaluation.samples_of(batch[0])
         if self.step >= self.steps:  # a loader without a length that makes more: told to all in finish
             self.overflow = True
             return
@@ -103,6 +103,7 @@ class StepMetrics:
         self.step += 1
         shards = gather_objects(self.comm, batch, "batch_eval_metrics step")
         self._check_labels(shards)
+        evaluation.check_outputs([None if s[0] is None else [s[0]] for s in shards])
         predictions, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in range(4))
         if predictions and labels:  # as Transformers: no call for a step without labels
             found = self.compute_metrics(EvalPrediction(*(self._tensors(x) for x in (predictions, labels, inputs,
@@ -122,12 +123,13 @@ class StepMetrics:
         self.labelled = next(iter(kinds), self.labelled)
 
     def _tensors(self, pieces: list[Any]) -> Any:
-        """The step's batches, in dataset order, as one tensor on the device (a tuple: several label names)."""
-        if not pieces:
-            return None
-        joined = evaluation.joined(pieces)
+        """The step's batches, in dataset order, as one tensor on the device (a tuple of them, nested: several label
+        names or model outputs)."""
+        return None if not pieces else self._on_device(evaluation.joined(pieces))
+
+    def _on_device(self, joined: Any) -> Any:
         if isinstance(joined, tuple):
-            return tuple(torch.as_tensor(np.ascontiguousarray(a), device=self.device) for a in joined)
+            return tuple(self._on_device(one) for one in joined)
         return torch.as_tensor(np.ascontiguousarray(joined), device=self.device)
 
 

@@ -93,7 +93,7 @@ class Part:
     samples: float = 0.0  # of the batches with a finite loss (batches without labels have none)
     bad_sum: float = 0.0  # the same for the batches whose loss is nan or inf
     bad_samples: float = 0.0
-    predictions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    predictions: list[Any] = dataclasses.field(default_factory=list)  # a batch's: an array, or a tuple of them
     dealt: bool = True  # its loader read the samples evaluation.shard dealt this rank (reads), in that order
     labels: list[np.ndarray | tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
     inputs: list[np.ndarray] = dataclasses.field(default_factory=list)  # include_for_metrics "inputs"
@@ -110,13 +110,13 @@ Forward = Callable[[Any], ForwardResult]
 
 
 def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
-               preprocess: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+               preprocess: Callable[[Any, Any], Any] | None = None,
                include: Collection[str] = (), each: Callable[[Part], None] | None = None) -> Part:
     """Run `forward` on every batch; sum the losses weighted by samples (a loss of None: a batch without labels,
-    left out), keep logits (or what `preprocess(logits, labels)` makes of them: Transformers'
-    preprocess_logits_for_metrics) and labels (None: none) if wanted, and what `include` names (Transformers'
-    include_for_metrics): "inputs", the main model input, and "loss", the batch's loss once per sample. `each`:
-    called with the part after every batch (ddpkit.batch_metrics' steps)."""
+    left out), keep logits (a tensor or a tuple of them, nested; or what `preprocess(logits, labels)` makes of
+    them: Transformers' preprocess_logits_for_metrics, given the same) and labels (None: none) if wanted, and what
+    `include` names (Transformers' include_for_metrics): "inputs", the main model input, and "loss", the batch's
+    loss once per sample. `each`: called with the part after every batch (ddpkit.batch_metrics' steps)."""
     part = Part()
     for batch in batches:
         loss, logits, labels, samples, main_input = forward(batch)
@@ -127,11 +127,8 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
             else:
                 part.bad_sum, part.bad_samples = part.bad_sum + value * samples, part.bad_samples + samples
         if want_predictions:
-            if preprocess is not None:
-                logits = _one_tensor(preprocess(logits, labels), "preprocess_logits_for_metrics")
-            logits = _one_tensor(logits, "prediction_step").detach()
-            # In the model's dtype, as Transformers gives them: numpy has no bfloat16, which becomes float32.
-            part.predictions.append((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
+            maker = "prediction_step" if preprocess is None else "preprocess_logits_for_metrics"
+            part.predictions.append(_host(logits if preprocess is None else preprocess(logits, labels), maker))
             if labels is not None:
                 part.labels.append(_numpy(labels))
             if "inputs" in include and main_input is not None:
@@ -143,11 +140,17 @@ def accumulate(batches: Iterable, forward: Forward, want_predictions: bool,
     return part
 
 
-def _one_tensor(logits: Any, maker: str) -> torch.Tensor:
+def _host(logits: Any, maker: str) -> Any:
+    """A batch's predictions on the host, as Transformers' evaluation_loop keeps them: a tensor as an array in the
+    model's dtype (numpy has no bfloat16, which becomes float32), at least 1-d; a tuple (or list) as a tuple."""
+    if isinstance(logits, (list, tuple)) and logits:
+        return tuple(_host(one, maker) for one in logits)
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{maker} returned {type(logits).__name__} for the logits; ddpkit gathers one tensor a batch: "
-                        "return a tensor (logits.argmax(-1), say)")
-    return logits
+        raise TypeError(f"{maker} returned {type(logits).__name__} for the logits; ddpkit gathers a tensor a batch, "
+                        "or a tuple of them: return tensors (logits.argmax(-1), say), or leave an output that is none "
+                        "out with ignore_keys")
+    logits = logits.detach()
+    return np.atleast_1d((logits.float() if logits.dtype == torch.bfloat16 else logits).cpu().numpy())
 
 
 def reads(loader: Any, dataset: Any, indices: list[int]) -> bool:
@@ -245,32 +248,51 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def joined(pieces: list[Any], order: np.ndarray | None = None) -> Any:
-    """Arrays (or tuples of arrays: several label names) concatenated along the samples, then put in `order`."""
+    """Arrays (or tuples of arrays, nested: several label names or model outputs) concatenated along the samples,
+    element by element, as Transformers' nested_concat joins them, then put in `order`."""
+    if len({len(piece) if isinstance(piece, tuple) else None for piece in pieces}) > 1:
+        raise ValueError(f"the batches' predictions (or labels) differ in structure: some are {_structures(pieces)}; "
+                         "a model must give every batch the same outputs")
     if isinstance(pieces[0], tuple):
         return tuple(joined([piece[i] for piece in pieces], order) for i in range(len(pieces[0])))
     whole = _concat(pieces)
     return whole if order is None else whole[order]
 
 
-def _samples(labels: Any) -> int:
-    return len(labels[0] if isinstance(labels, tuple) else labels)
+def _structures(pieces: list[Any]) -> str:
+    kinds = sorted({len(piece) if isinstance(piece, tuple) else 0 for piece in pieces})
+    return ", some ".join(f"a tuple of {n}" if n else "one array" for n in kinds)
+
+
+def _leaves(value: Any) -> Iterator[np.ndarray]:
+    if isinstance(value, tuple):
+        for one in value:
+            yield from _leaves(one)
+    else:
+        yield value
+
+
+def samples_of(batch: Any) -> int:
+    """The samples of a batch's predictions or labels: its (first) array's first dimension."""
+    return len(next(_leaves(batch)))
 
 
 def gather_predictions(comm: Comm, part: Part, indices: list[int]) -> EvalPrediction:
-    """Every rank's predictions (and labels), in dataset order, on every rank: each one array, or with
-    part.per_step (Transformers' eval_do_concat_batches=False) a list of one array per step, a step being one batch
-    of every rank (batch k is rank k % R's: see shard), padded within the step only."""
-    pack = list if part.per_step else joined
-    local = (indices, *(pack(pieces) if pieces else None for pieces in (part.predictions, part.labels)), part.dealt,
-             *(pack(pieces) if pieces else None for pieces in (part.inputs, part.losses)))
+    """Every rank's predictions (and labels), in dataset order, on every rank: each one array (a tuple of them, for
+    several outputs or label names), or with part.per_step (Transformers' eval_do_concat_batches=False) a list of
+    those per step, a step being one batch of every rank (batch k is rank k % R's: see shard), padded within the
+    step only. Each rank's batches are joined after the gather, where a failure is every rank's alike."""
+    local = (indices, *(pieces or None for pieces in (part.predictions, part.labels)), part.dealt,
+             *(pieces or None for pieces in (part.inputs, part.losses)))
     shards = gather_objects(comm, local, "evaluation predictions")
+    check_outputs([s[1] for s in shards])
     _check_shards(shards)
     if part.per_step:
         _check_batches(shards, part.batch_size)
         return EvalPrediction(*(_steps([s[i] for s in shards]) for i in (1, 2, 4, 5)))
     order = np.argsort(np.concatenate([np.asarray(s[0], dtype=np.int64) for s in shards]))
     # Whether there are labels (inputs, losses) is every rank's question alike: a rank without samples has none.
-    preds, labels, inputs, losses = ([s[i] for s in shards if s[i] is not None] for i in (1, 2, 4, 5))
+    preds, labels, inputs, losses = ([b for s in shards if s[i] is not None for b in s[i]] for i in (1, 2, 4, 5))
     return EvalPrediction(joined(preds, order), *(joined(x, order) if x else None for x in (labels, inputs, losses)))
 
 
@@ -286,7 +308,7 @@ def _check_batches(shards: list[tuple], batch_size: int) -> None:
     """Per step, the s-th batch of every rank: each rank's loader must have batched its samples as dealt (batches of
     batch_size, only the dataset's last one short), or a step would mix other samples (every rank raises alike)."""
     for rank, (indices, predictions, *_) in enumerate(shards):
-        made = [len(batch) for batch in predictions or ()]
+        made = [samples_of(batch) for batch in predictions or ()]
         dealt = [len(indices[i:i + batch_size]) for i in range(0, len(indices), batch_size)]
         if predictions is not None and made != dealt:
             raise ValueError(f"rank {rank} made batches of {made} samples where ddpkit dealt it {dealt}: with "
@@ -294,11 +316,22 @@ def _check_batches(shards: list[tuple], batch_size: int) -> None:
                              "get_eval_dataloader or get_test_dataloader must keep super()'s batches")
 
 
-def _count(gathered: Any) -> int:
-    """The samples of a rank's gathered predictions or labels: one array (a tuple of them), or a list of those."""
-    if gathered is None:
-        return 0
-    return sum(map(_samples, gathered)) if isinstance(gathered, list) else _samples(gathered)
+def _count(gathered: list[Any] | None) -> int:
+    """The samples of a rank's gathered predictions or labels, a list of its batches' (each an array or a tuple)."""
+    return 0 if gathered is None else sum(map(samples_of, gathered))
+
+
+def check_outputs(ranks: list[list[Any] | None]) -> None:
+    """Several outputs are gathered sample by sample, over the batches and the ranks, as Transformers concatenates
+    them: each of a batch's must have a row per sample (`ranks`: each rank's batches of predictions, gathered, so
+    that every rank raises alike)."""
+    for rank, batches in enumerate(ranks):
+        for batch in batches or ():
+            rows = [len(leaf) for leaf in _leaves(batch)]
+            if len(set(rows)) > 1:
+                raise ValueError(f"rank {rank} predicted a batch whose outputs have {rows} rows: ddpkit gathers each "
+                                 "output along its first dimension, a row per sample; leave an output without "
+                                 "one out of the predictions (ignore_keys), or override prediction_step")
 
 
 def _check_shards(shards: list[tuple]) -> None:
@@ -316,5 +349,5 @@ def _check_shards(shards: list[tuple]) -> None:
                          "(for a loss and compute_metrics) or none (predictions only)")
 
 
-__all__ = ["Part", "accumulate", "reads", "can_return_loss", "gather_predictions", "joined", "label_names_of",
-           "labels_named", "over_ranks", "predictions_over_ranks", "prefixed", "shard"]
+__all__ = ["Part", "accumulate", "reads", "can_return_loss", "check_outputs", "gather_predictions", "joined",
+           "label_names_of", "labels_named", "over_ranks", "predictions_over_ranks", "prefixed", "samples_of", "shard"]

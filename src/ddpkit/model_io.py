@@ -1,8 +1,8 @@
 """What the Trainer needs to know of a model's batches and outputs, whatever their shape.
 
 A batch is a mapping of keyword arguments (the Transformers convention), a list or tuple of positional ones, or
-one tensor. An output is a loss tensor, a mapping with "loss" (and "logits"), a tuple (loss, logits, ...), or an
-object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
+one tensor. An output is a loss tensor, a mapping with "loss" (and "logits" or other predictions), a tuple (loss,
+logits, ...), or an object with `.loss` (and `.logits`), as Transformers' ModelOutput is.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ast
 import inspect
 import textwrap
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +69,38 @@ def logits_of(outputs: Any, with_loss: bool = True) -> torch.Tensor:
         raise ValueError("predictions (Trainer.predict, compute_metrics) need logits: return them as 'logits' "
                          "(dict or attribute) or second")
     return logits
+
+
+def predictions_of(outputs: Any, with_loss: bool = True, ignore_keys: Collection[str] = ()) -> Any:
+    """The predictions, as Transformers' prediction_step takes them: every output but the loss, in order, one
+    tensor where there is one and a tuple where there are several (a question-answering head's (start_logits,
+    end_logits)). Of a mapping (a ModelOutput), the values but "loss" (where the output carries one) and those of
+    `ignore_keys`, None left out as a ModelOutput leaves it out; of a tuple, the elements after the loss (all of
+    them without one); a bare tensor without a loss; of another object, its .logits (logits_of)."""
+    if isinstance(outputs, torch.Tensor) and not with_loss:
+        return outputs
+    if isinstance(outputs, Mapping):
+        skipped = {*ignore_keys, "loss"} if with_loss else set(ignore_keys)
+        kept = tuple(value for key, value in outputs.items() if key not in skipped and value is not None)
+    elif isinstance(outputs, (list, tuple)):
+        kept = tuple(outputs[1 if with_loss else 0:])
+    else:
+        return logits_of(outputs, with_loss)
+    if not kept:
+        keys = f" (keys {list(outputs)}, ignore_keys {list(ignore_keys)})" if isinstance(outputs, Mapping) else ""
+        raise ValueError(f"the model's output holds no predictions beside its loss{keys}: predict and "
+                         "compute_metrics need the logits, or another output")
+    return kept[0] if len(kept) == 1 else kept
+
+
+def ignored_at_inference(model: nn.Module, ignore_keys: Collection[str] | None) -> list[str]:
+    """The output keys left out of the predictions: `ignore_keys`, else, as Transformers' prediction_step has
+    them, the model config's keys_to_ignore_at_inference (["cache"] for a config without them: the "cache" a
+    Transformers 5 model returns in eval mode), none for a model without a config."""
+    if ignore_keys is not None:
+        return list(ignore_keys)
+    config = getattr(model, "config", None)
+    return [] if config is None else list(getattr(config, "keys_to_ignore_at_inference", ["cache"]))
 
 
 def smoothed_loss(outputs: Any, labels: torch.Tensor, epsilon: float, shift: bool = False,
@@ -265,4 +297,5 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 __all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
-           "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "main_input_name", "to_device"]
+           "ignored_at_inference", "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "main_input_name",
+           "predictions_of", "to_device"]

@@ -63,8 +63,9 @@ class EvaluationMixin:
     def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Transformers': the model's predictions (logits) for every sample exactly once, in dataset order, on
-        every rank, with the labels and the loss where the batches have labels; call it on every rank. The
-        predictions are the logits alone, so the other keys of an output (ignore_keys') never enter them."""
+        every rank, with the labels and the loss where the batches have labels; call it on every rank. As
+        Transformers', the predictions are every output but the loss and ignore_keys: one array, or a tuple of
+        arrays (each padded with -100 to its longest second dimension) where the model gives several."""
         _check_ignore_keys(ignore_keys)
         start = time.perf_counter()
         loader = self.get_test_dataloader(_needed(test_dataset, "predict needs a test_dataset"))
@@ -170,29 +171,35 @@ class EvaluationMixin:
         """Transformers': one batch's (loss, logits, labels), `inputs` as the loader gave them (moved to the device
         here); the logits (and labels) None with prediction_loss_only (evaluate without compute_metrics). evaluate
         and predict call it on every batch:
-        a subclass may predict otherwise (its logits one tensor a batch, which ddpkit gathers). As Transformers 5's,
+        a subclass may predict otherwise (its logits a tensor a batch, or a tuple of them, which ddpkit gathers
+        batch-first). As Transformers 5's,
         the labels are the batch's label_names (all of them, or none); a batch that has them (or whose model
         returns its loss without them: CLIP's) goes through compute_loss, a mapping without them only through the
         model, with no loss, so that a set without labels has no eval_loss. Where no name can tell whether there
         are labels: with label_names empty, the loss the model returned beside its predictions (a "loss" field,
         never a bare tensor, which is the predictions); a list or tuple batch holds them by position, and goes
         through compute_loss in evaluate, whose loss must be there, as in training (a model that forgot to return
-        it fails, rather than evaluating without a loss), in predict only through the model. The logits are the
-        output's "logits" (model_io.logits_of), so the other keys (ignore_keys') never enter them."""
+        it fails, rather than evaluating without a loss), in predict only through the model. The logits are, as
+        Transformers', every output but the loss and ignore_keys (model_io.predictions_of): one tensor, or a tuple
+        of them (a question-answering head's start and end logits); ignore_keys None: the model config's
+        keys_to_ignore_at_inference, else ["cache"]."""
         inputs = self._prepare_inputs(inputs)  # as Transformers': evaluate and predict pass the batch as it came
         labels = evaluation.labels_named(inputs, self.label_names)
         mapping = isinstance(inputs, Mapping)
         with torch.no_grad(), self.precision.autocast(), self.compute_loss_context_manager():
             if labels is not None or self._loss_without_labels(inputs) or (self._unnamed_labels and not mapping):
                 loss, outputs = self._loss_and_outputs(model, inputs)
+                carried = True
             else:
                 outputs = model_io.call_model(model, inputs)
                 loss = model_io.carried_loss(outputs)
+                carried = loss is not None  # never among the predictions
                 if loss is not None and mapping and self.label_names:  # no labels, no loss; the logits stay found
-                    loss, outputs = None, tuple(outputs[1:]) if isinstance(outputs, (list, tuple)) else outputs
+                    loss = None
         if prediction_loss_only:
             return loss, None, None
-        return loss, model_io.logits_of(outputs, with_loss=loss is not None), labels
+        ignored = model_io.ignored_at_inference(self.model, ignore_keys)
+        return loss, model_io.predictions_of(outputs, with_loss=carried, ignore_keys=ignored), labels
 
     def _loss_and_outputs(self, model: nn.Module, inputs: Any) -> tuple[torch.Tensor, Any]:
         """compute_loss's (loss, outputs). As Transformers 5's prediction_step, a model that takes
@@ -294,9 +301,9 @@ def _length(loader: Any) -> int | None:
 
 
 def _check_ignore_keys(ignore_keys: list[str] | None) -> None:
-    if ignore_keys is not None and (isinstance(ignore_keys, str) or "logits" in ignore_keys):
-        raise ValueError(f"ignore_keys must be a list of output keys other than 'logits' (the predictions), "
-                         f"got {ignore_keys!r}")
+    if isinstance(ignore_keys, str):
+        raise ValueError(f"ignore_keys must be a list of the output keys to leave out of the predictions, got "
+                         f"{ignore_keys!r}")
 
 
 def _check_best_metric(key: str, metrics: Mapping[str, float], label_names: list[str], sets: list[str]) -> None:
