@@ -51,7 +51,7 @@ def test_the_loaders_take_transformers_arguments_and_overrides_are_used(tmp_path
         trainer.get_eval_dataloader("c")
     # No set, or one the Trainer cannot deal out: clear errors (a TypeError of len() was all they got)
     alone = Trainer(Classifier().double(), trainer_args(tmp_path / "alone"), train_dataset=classification_data(8))
-    with pytest.raises(ValueError, match="evaluation needs an eval_dataset"):
+    with pytest.raises(ValueError, match="Trainer: evaluation requires an eval_dataset"):
         alone.get_eval_dataloader()
 
     class Stream(torch.utils.data.IterableDataset):

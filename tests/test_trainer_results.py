@@ -25,6 +25,11 @@ def test_after_training_the_results_are_printed_and_written_as_transformers_does
     assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
     assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in Classifier().parameters())
     assert trainer.get_learning_rates() == [0.05, 0.05]  # decayed and not decayed groups, constant schedule
+    # Transformers' get_optimizer_group: a parameter's group (by the parameter or its name), else every group's
+    groups = trainer.optimizer.param_groups
+    bias = trainer.model.net[0].bias
+    assert trainer.get_optimizer_group(bias) is trainer.get_optimizer_group("net.0.bias") is groups[1]
+    assert trainer.get_optimizer_group() == [group["params"] for group in groups]
     capsys.readouterr()
     trainer.log_metrics("train", result.metrics)
     ours = capsys.readouterr().out
@@ -61,8 +66,9 @@ def test_metrics_are_formatted_by_transformers_rules_and_other_ranks_do_nothing(
     assert capsys.readouterr().out == "" and not os.path.exists(tmp_path / "out")
     assert not other.is_world_process_zero() and other.is_local_process_zero()
     other.optimizer = None
-    with pytest.raises(ValueError, match="no optimizer yet"):
-        other.get_learning_rates()
+    for call in (other.get_learning_rates, other.get_optimizer_group):
+        with pytest.raises(ValueError, match="no optimizer yet"):
+            call()
 
 
 def test_a_script_reads_the_process_off_its_arguments_and_writes_a_model_card(tmp_path, local_world, monkeypatch):

@@ -68,8 +68,8 @@ class DataMixin:
         sampler (predict and compute_metrics check it: evaluation.reads)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
-            raise ValueError("Trainer.get_eval_dataloader: evaluation needs an eval_dataset (give the Trainer one, or "
-                             "pass one here)")
+            raise ValueError("Trainer: evaluation requires an eval_dataset. Give the Trainer one, or pass one to "
+                             "evaluate() or get_eval_dataloader()")
         slot = eval_dataset if isinstance(eval_dataset, str) else "eval"  # Transformers' key of the loaders it keeps
         return self._eval_loader(self._eval_set_named(dataset) if isinstance(dataset, str) else dataset, slot)
 

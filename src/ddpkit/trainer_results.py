@@ -133,10 +133,25 @@ class ResultsMixin:
 
     def get_learning_rates(self) -> list[float]:
         """Each param group's current learning rate."""
+        return [group["lr"] for group in self._made_optimizer().param_groups]
+
+    def get_optimizer_group(self, param: Any = None) -> Any:
+        """Transformers': the param group that holds `param` (a parameter, or its name in the model), else every
+        group's params."""
+        groups = self._made_optimizer().param_groups
+        if isinstance(param, str):
+            param = dict(self.model.named_parameters()).get(param)
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
+
+    def _made_optimizer(self) -> Any:
         if self.optimizer is None:
             raise ValueError("the Trainer has no optimizer yet: train() creates it (or create_optimizer(), or pass "
                              "optimizers=(optimizer, scheduler))")
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return self.optimizer
 
 
 def model_card(name: str, header: dict[str, Any], hyperparameters: dict[str, Any], log_history: list[dict],
