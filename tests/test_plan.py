@@ -251,6 +251,13 @@ def test_train_data_must_give_every_rank_a_sample():
     with pytest.raises(TypeError, match="train_dataset is a Stream, without a length or indexing: ddpkit's Trainer"):
         check_train_data(Stream(), world_size=1)
 
+    class SizedStream(Stream):  # a length, and torch's Dataset's __getitem__: still not dealt out
+        def __len__(self):
+            return 4
+
+    with pytest.raises(TypeError, match="train_dataset is a SizedStream"):
+        check_train_data(SizedStream(), world_size=1)
+
 
 def test_fractional_eval_and_save_steps_that_round_apart_are_refused_for_the_best_model(tmp_path):
     """0.6 is a multiple of 0.3, but of 7 steps they come to 5 and 3: checkpoint-5 had no evaluation."""

@@ -154,3 +154,26 @@ def test_a_question_answering_model_predicts_start_and_end_logits_as_in_transfor
             assert isinstance(label_ids, tuple) and len(label_ids) == 2
             np.testing.assert_array_equal(label_ids[1], label_ids[0] + 2)
             assert loss == pytest.approx(theirs.metrics["test_loss"], rel=1e-5)
+
+
+class WithAux(Classifier):
+    """A mixture of experts' outputs beside the logits: an auxiliary loss (one value a batch) and router logits
+    (rows per token, not per sample)."""
+
+    def forward(self, x, labels=None, idx=None):
+        out = super().forward(x, labels)
+        return {**out, "aux_loss": out["logits"].square().mean(), "router": out["logits"].repeat(3, 1)}
+
+
+def test_outputs_without_a_row_per_sample_are_left_out_of_the_predictions(tmp_path, local_world):
+    """They were refused ("outputs have [4, 1] rows"), which broke evaluate with compute_metrics and predict on
+    such models (Transformers' Mixtral with output_router_logits): the per-sample logits are predicted."""
+    torch.manual_seed(0)
+    model = WithAux().double()
+    trainer = Trainer(model, trainer_args(tmp_path, per_device_eval_batch_size=4),
+                      compute_metrics=lambda p: {"rows": float(len(p.predictions))})
+    data = classification_data(10)
+    found = trainer.predict(data)
+    want = model.eval()(torch.stack([s["x"] for s in data]))["logits"].detach().numpy()
+    np.testing.assert_allclose(found.predictions, want, rtol=1e-12, atol=1e-12)
+    assert trainer.evaluate(data)["eval_rows"] == 10.0

@@ -93,6 +93,16 @@ def predictions_of(outputs: Any, with_loss: bool = True, ignore_keys: Collection
     return kept[0] if len(kept) == 1 else kept
 
 
+def per_sample(predictions: Any, samples: int) -> Any:
+    """Of several predictions, those with a row per sample (`samples` rows), which ddpkit gathers in dataset order:
+    an output of one value a batch (a mixture of experts' auxiliary loss) or of rows per token (its router logits)
+    is left out, where Transformers concatenates it batch by batch; one prediction is kept as it is."""
+    if not isinstance(predictions, tuple):
+        return predictions
+    kept = tuple(p for p in predictions if isinstance(p, tuple) or (p.ndim > 0 and p.shape[0] == samples))
+    return predictions if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def ignored_at_inference(model: nn.Module, ignore_keys: Collection[str] | None) -> list[str]:
     """The output keys left out of the predictions: `ignore_keys`, else, as Transformers' prediction_step has
     them, the model config's keys_to_ignore_at_inference (["cache"] for a config without them: the "cache" a
@@ -298,4 +308,4 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 __all__ = ["IGNORE_INDEX", "accepts_loss_kwargs", "batch_len", "call_model", "carried_loss", "count_items",
            "ignored_at_inference", "labels_of", "logits_of", "loss_of", "loss_shifts_labels", "main_input_name",
-           "predictions_of", "to_device"]
+           "per_sample", "predictions_of", "to_device"]

@@ -17,6 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import torch.utils.data
+
 from .validation import ArgumentError
 
 
@@ -211,7 +213,8 @@ def epochs_to_train(plan: StepPlan, resumed: SavedPlan | None = None) -> int:
 def check_sized(dataset: Any, role: str) -> None:
     """Fail clearly on a dataset without a length (an IterableDataset, a generator), which the Trainer cannot deal
     out: it gives every rank its own samples, each once, and resumes at the exact next one."""
-    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)  # (torch's Dataset base has __getitem__)
+    if iterable or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"the {role} is a {type(dataset).__name__}, without a length or indexing: ddpkit's Trainer "
                         "deals a map-style dataset's samples over the ranks, each once, and resumes at the exact "
                         "next sample. Give it one (a list of the samples, a datasets.Dataset, or a Dataset with "

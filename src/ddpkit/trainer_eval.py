@@ -199,7 +199,8 @@ class EvaluationMixin:
         if prediction_loss_only:
             return loss, None, None
         ignored = model_io.ignored_at_inference(self.model, ignore_keys)
-        return loss, model_io.predictions_of(outputs, with_loss=carried, ignore_keys=ignored), labels
+        predictions = model_io.predictions_of(outputs, with_loss=carried, ignore_keys=ignored)
+        return loss, model_io.per_sample(predictions, model_io.batch_len(inputs)), labels
 
     def _loss_and_outputs(self, model: nn.Module, inputs: Any) -> tuple[torch.Tensor, Any]:
         """compute_loss's (loss, outputs). As Transformers 5's prediction_step, a model that takes
