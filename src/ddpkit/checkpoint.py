@@ -54,8 +54,8 @@ import torch
 
 from .atomic import replacing, replacing_path
 from .checkpoint_dir import (  # noqa: F401 - re-exported: this module's API
-    PREFIX, TRAINER_STATE_FILE, aside_name, checkpoint_run, checkpoint_step, find_latest_checkpoint, fsync_path,
-    latest_valid_checkpoint, list_checkpoints, remove_stale, rotate_checkpoints)
+    DDPKIT_STATE_FILE, PREFIX, TRAINER_STATE_FILE, aside_name, checkpoint_run, checkpoint_step,
+    find_latest_checkpoint, fsync_path, latest_valid_checkpoint, list_checkpoints, remove_stale, rotate_checkpoints)
 from .comm import Comm, gather_objects
 from .env import DistEnv
 from .integrity import (MARKER_FILE, CheckpointError, file_crc32, manifest, problems, read_marker, write_checksummed,
@@ -72,7 +72,6 @@ SCALER_FILE = "scaler.pt"  # Transformers' name for the GradScaler's state
 SAMPLER_FILE = "sampler_state.json"
 RNG_FILE = "rng_state_{rank}.pth"
 SINGLE_RNG_FILE = "rng_state.pth"  # a Transformers Trainer's, in a world of one: it reads no other there
-DDPKIT_STATE_FILE = "ddpkit_state.json"  # the progress fields Transformers' TrainerState has not
 TRAINING_ARGS_FILE = "training_args.bin"  # the TrainingArguments, pickled, as Transformers' Trainer saves them
 
 

@@ -24,6 +24,7 @@ from .integrity import MARKER_FILE, CheckpointError, problems, read_marker
 
 PREFIX = "checkpoint"
 TRAINER_STATE_FILE = "trainer_state.json"
+DDPKIT_STATE_FILE = "ddpkit_state.json"  # the progress fields Transformers' TrainerState has not
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 _ASIDE = re.compile(rf"^{PREFIX}-(\d+)\.run-(.+)$")  # aside_name's
 _TMP = re.compile(rf"^\.tmp-{PREFIX}-(\d+)-[0-9a-f]+$")  # a save's folder until published (ddpkit.checkpoint)
@@ -198,5 +199,6 @@ def _retire(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-__all__ = ["PREFIX", "TRAINER_STATE_FILE", "aside_name", "checkpoint_run", "checkpoint_step", "find_latest_checkpoint",
-           "fsync_path", "latest_valid_checkpoint", "list_checkpoints", "remove_stale", "rotate_checkpoints"]
+__all__ = ["DDPKIT_STATE_FILE", "PREFIX", "TRAINER_STATE_FILE", "aside_name", "checkpoint_run", "checkpoint_step",
+           "find_latest_checkpoint", "fsync_path", "latest_valid_checkpoint", "list_checkpoints", "remove_stale",
+           "rotate_checkpoints"]

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .atomic import replacing
+from .checkpoint_dir import DDPKIT_STATE_FILE, TRAINER_STATE_FILE
 
 
 class EvalPrediction:
@@ -148,8 +149,8 @@ class TrainerState:
         ddpkit_state.json beside it over it, where there is one (as a resume reads them: `split`)."""
         with open(json_path) as f:
             values = json.load(f)
-        ours = os.path.join(os.path.dirname(json_path), "ddpkit_state.json")
-        if os.path.basename(json_path) == "trainer_state.json" and os.path.exists(ours):
+        ours = os.path.join(os.path.dirname(json_path), DDPKIT_STATE_FILE)
+        if os.path.basename(json_path) == TRAINER_STATE_FILE and os.path.exists(ours):
             with open(ours) as f:
                 values.update(json.load(f))
         return cls.from_dict(values)
