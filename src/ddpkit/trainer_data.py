@@ -87,7 +87,7 @@ class DataMixin:
         length, in batches of the same size gets it back; another set's replaces it. predict's are never kept."""
         check_sized(dataset, "evaluation set")
         a = self.args
-        key = (id(dataset), len(dataset), a.per_device_eval_batch_size)
+        key = (len(dataset), a.per_device_eval_batch_size)  # the set itself: the loader's dealt_from
         kept = (self._kept_eval_loaders or {}).get(slot)
         if kept is not None and kept[0] == key and kept[1].dealt_from is dataset:
             return kept[1]
