@@ -154,8 +154,13 @@ def test_torchs_recipe_by_hand_under_each_stage_with_the_default_comm():
             for (w, norm, _), (w_true, norm_true, _) in zip(got, truth):
                 # Unscaled whole before torch's clip reads it (stage 1: not only this rank's slice); the ranks agree
                 # on the skip without being told their group (ZeRO's own); one element's sum of two is exact.
-                np.testing.assert_array_equal(w, w_true, err_msg=f"{key} rank {rank}")
-                # (stage 2's norm sums the shards' squares: another order, 1e-6 apart)
+                if key[0] == 2:
+                    # Stage 2's norm sums the shards' squares, torch's takes each tensor's norm with a vectorised
+                    # kernel whose order depends on the host's CPU: the norms, so the clip coefficients, agree to
+                    # 1e-6, and weights clipped by them to 1e-6 (AdamW divides most of the difference out).
+                    np.testing.assert_allclose(w, w_true, rtol=1e-6, atol=1e-6, err_msg=f"{key} rank {rank}")
+                else:
+                    np.testing.assert_array_equal(w, w_true, err_msg=f"{key} rank {rank}")
                 assert np.isclose(norm, norm_true, rtol=1e-6 if key[0] == 2 else 0, atol=0) or not (
                     np.isfinite(norm) or np.isfinite(norm_true)), (key, norm, norm_true)
     # torch's own scaler cannot see stage 2's shards (no .grad): refused at its first step, nothing stepped.
