@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddpkit import ArgumentParser, TrainingArguments
-from ddpkit import destroy_process_group
-from ddpkit.trainer import Trainer, set_seed
+from ddpkit import ArgumentParser, TrainingArguments, destroy_process_group
+from ddpkit.trainer.trainer import Trainer, set_seed
 
 DEFAULTS = dict(output_dir="chars_output", per_device_train_batch_size=16, per_device_eval_batch_size=32,
                 gradient_accumulation_steps=4, learning_rate=2e-3, weight_decay=0.1, adam_beta2=0.95,

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpkit import ArgumentParser, TrainingArguments
-from ddpkit import destroy_process_group
-from ddpkit.trainer import Trainer, set_seed
+from ddpkit import ArgumentParser, TrainingArguments, destroy_process_group
+from ddpkit.trainer.trainer import Trainer, set_seed
 
 # This script's defaults where TrainingArguments' (made for fine-tuning large models) do not fit a 64-pixel MLP.
 DEFAULTS = dict(output_dir="digits_output", per_device_train_batch_size=32, per_device_eval_batch_size=128,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ddpkit
-import ddpkit.env
-import models
-from spawn import run_world
+import ddpkit.distributed.env
+from helpers import models
+from helpers.world import run_world
 
 
 def _launch_env(port: int, world_size: int = 2) -> dict[str, str]:
@@ -64,9 +64,9 @@ def negative_timeout_in_args():
 
 
 def world_size_too_large():
-    environ = _launch_env(ddpkit.env.free_port(), world_size=3)
+    environ = _launch_env(ddpkit.distributed.env.free_port(), world_size=3)
     os.environ.update(environ)  # env:// reads them too; the fixture restores the environment
-    ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=2)
+    ddpkit.distributed.env.init_process_group(backend="gloo", environ=environ, join_timeout=2)
 
 
 def port_in_use():
@@ -75,7 +75,7 @@ def port_in_use():
         taken.listen()
         environ = _launch_env(taken.getsockname()[1])
         os.environ.update(environ)
-        ddpkit.env.init_process_group(backend="gloo", environ=environ, join_timeout=5)
+        ddpkit.distributed.env.init_process_group(backend="gloo", environ=environ, join_timeout=5)
 
 
 def rank_outside_world():
@@ -83,12 +83,13 @@ def rank_outside_world():
 
 
 def checkpoint_of_another_model(tmp_path):
-    from ddpkit import checkpoint
+    from ddpkit.checkpoint import files as checkpoint
+    from ddpkit.checkpoint import folders
 
     folder = tmp_path / "checkpoint-3"
     folder.mkdir()
     checkpoint.save_weights(models.MLP(hidden=16), str(folder / checkpoint.MODEL_FILE))
-    checkpoint.write_json(str(folder / checkpoint.TRAINER_STATE_FILE), {"global_step": 3})
+    checkpoint.write_json(str(folder / folders.TRAINER_STATE_FILE), {"global_step": 3})
     checkpoint.load_checkpoint(str(folder), model=models.MLP(hidden=32))
 
 
@@ -168,7 +169,7 @@ def test_catalogue(name, mistake, error, pattern, tmp_path, clean_environment):
 def mistakes_across_ranks(world):
     """The mistakes only a world of several processes can make; every rank must get the error."""
     import ddpkit
-    from ddpkit.trainer import Trainer
+    from ddpkit.trainer.trainer import Trainer
 
     found = {}
     try:  # a model that differs on one rank

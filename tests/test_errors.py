@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pickle
 
-from ddpkit.errors import PeerFailedError, carrying
+from ddpkit._utils.raising import carrying
+from ddpkit.errors import PeerFailedError
 
 
 def test_an_error_made_without_arguments_carries_its_message_and_pickles_as_its_kind():

@@ -5,22 +5,41 @@
     sampler = ddpkit.DistributedSampler(dataset)
 """
 
-from .comm import Comm, barrier, destroy_process_group, init_process_group, main_process_first
-from .ddp import DistributedDataParallel, ReplicaDivergenceError
-from .errors import DeadlockError, PeerFailedError, PeerLeftError, PeerVanishedError, StallError
-from .join import Join
-from .sampler import DistributedSampler
-from .length_sampler import LengthGroupedSampler
-from .zero import ZeroRedundancyOptimizer
-from .precision import AgreedGradScaler
-from .args import ArgumentError, TrainingArguments
-from .args_cli import ArgumentParser, parse_args
-from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
-from .callbacks import TrainerCallback, TrainerControl
-from .trainer import (EvalLoopOutput, EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput,
-                      get_scheduler, set_seed)
-from .backends import available_backends
-from .env import DistEnv, LaunchError, LaunchInfo, read_launch_env
+from ddpkit.args.parser import ArgumentParser, parse_args
+from ddpkit.args.training_args import TrainingArguments
+from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
+from ddpkit.checkpoint.folders import find_latest_checkpoint
+from ddpkit.data.length_sampler import LengthGroupedSampler
+from ddpkit.data.sampler import DistributedSampler
+from ddpkit.distributed.backends import available_backends
+from ddpkit.distributed.comm import Comm, barrier, main_process_first
+from ddpkit.world import destroy_process_group, init_process_group
+from ddpkit.distributed.env import DistEnv, LaunchInfo, read_launch_env
+from ddpkit.engine.ddp import DistributedDataParallel
+from ddpkit.engine.join import Join
+from ddpkit.errors import (
+                      ArgumentError,
+                      DeadlockError,
+                      LaunchError,
+                      PeerFailedError,
+                      PeerLeftError,
+                      PeerVanishedError,
+                      ReplicaDivergenceError,
+                      StallError,
+)
+from ddpkit.trainer.callbacks import TrainerCallback, TrainerControl
+from ddpkit.trainer.precision import AgreedGradScaler
+from ddpkit.trainer.trainer import (
+                      EvalLoopOutput,
+                      EvalPrediction,
+                      PredictionOutput,
+                      Trainer,
+                      TrainerState,
+                      TrainOutput,
+                      get_scheduler,
+                      set_seed,
+)
+from ddpkit.zero.optimizer import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 

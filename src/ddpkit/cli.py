@@ -11,7 +11,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import launch, timeline_cli
+from ddpkit.launch import launcher as launch
+from ddpkit.timeline import cli as timeline_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from . import bench  # imported on use: only the benchmark needs its models and worker pool
+        from ddpkit.bench import runner as bench
 
         return bench.main(argv[1:], prog="ddpkit bench")
     args = build_parser().parse_args(argv)

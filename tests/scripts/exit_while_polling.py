@@ -4,10 +4,13 @@ GIL back ("terminate called without an active exception", SIGABRT) in about half
 
     python tests/scripts/exit_while_polling.py      # prints "exiting", exits 0
 """
-import datetime, time
+import datetime
+import time
+
 import torch.distributed as dist
-from ddpkit.monitor import StallMonitor
-from ddpkit.env import free_port
+
+from ddpkit.distributed.env import free_port
+from ddpkit.doctor.inspector import StallMonitor
 
 # A TCPStore server in this process, and a client for the inspector, which polls it as fast as it can.
 port = free_port()

@@ -1,4 +1,4 @@
-"""Workers that start slowly, for the test of a launcher killed while they start (tests/test_orphan.py).
+"""Workers that start slowly, for the test of a launcher killed while they start (tests/distributed/test_launcher_watch.py).
 
     ddpkit launch --nproc-per-node 2 tests/scripts/slow_start.py --go /tmp/go
 

@@ -109,7 +109,7 @@ def remake(times: int) -> ddpkit.DistEnv:
 def main() -> None:
     args = parse_args()
     die_with_parent()
-    from ddpkit.errors import install_worker_excepthook
+    from ddpkit.distributed.error_file import install_worker_excepthook
 
     install_worker_excepthook()  # ddpkit.init_process_group will do this itself
     torch.set_num_threads(1)
@@ -126,7 +126,7 @@ def main() -> None:
     ddp_cls = getattr(ddpkit, "DistributedDataParallel", None) or torch.nn.parallel.DistributedDataParallel
     ddp = ddp_cls(model) if world.is_distributed else model
     # Plain SGD written out, not torch.optim.SGD: an optimizer's first use imports torch._dynamo, 3-4 s of CPU in
-    # every worker of the twenty-odd launches of tests/test_launch.py, and the launchers, not the optimizer, are
+    # every worker of the twenty-odd launches of tests/launch/test_launcher.py, and the launchers, not the optimizer, are
     # what those tests compare. The update is the same for every launcher and world size.
     lr = 0.1
     data = torch.randn(args.steps, GLOBAL_BATCH, 4)
