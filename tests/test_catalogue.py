@@ -15,7 +15,7 @@ import torch
 import ddpkit
 import ddpkit.distributed.env
 from helpers import models
-from helpers.world import run_world
+from helpers.world import free_port, run_world
 
 
 def _launch_env(port: int, world_size: int = 2) -> dict[str, str]:
@@ -64,7 +64,7 @@ def negative_timeout_in_args():
 
 
 def world_size_too_large():
-    environ = _launch_env(ddpkit.distributed.env.free_port(), world_size=3)
+    environ = _launch_env(free_port(), world_size=3)
     os.environ.update(environ)  # env:// reads them too; the fixture restores the environment
     ddpkit.distributed.env.init_process_group(backend="gloo", environ=environ, join_timeout=2)
 

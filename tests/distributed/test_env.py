@@ -154,7 +154,7 @@ def test_port_in_use_is_named(monkeypatch):
 
 
 def test_world_size_larger_than_the_processes_started(monkeypatch):
-    from ddpkit.distributed.env import free_port
+    from helpers.world import free_port
 
     environ = _launch_env(free_port(), world_size=3)
     monkeypatch.setattr("os.environ", {**environ})  # env:// reads the same variables

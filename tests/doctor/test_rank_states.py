@@ -138,7 +138,7 @@ def test_a_frozen_store_host_ends_the_others_with_the_timeout_error(tmp_path):
     """Rank 0 stops (SIGSTOP) with the TCPStore it hosts: a store call never returns (TCPStore's timeout bounds only
     waits for keys), and the other rank, explaining its timed-out collective, blocked in one for ever. Now every
     store call made while reporting, and at exit, gives up after a few seconds."""
-    from ddpkit.distributed.env import free_port
+    from helpers.world import free_port
 
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN_STORE_HOST)

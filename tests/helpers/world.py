@@ -21,7 +21,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import traceback
 from typing import Any, Callable
 
 import pytest
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port  # noqa: F401 - for the tests
 
 # The scripts that tests launch as workers.
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -46,13 +46,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not FOREIGN_VARS.match(k)}
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A TCP port on the loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def reap(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -9,11 +9,11 @@ import time
 
 import torch.distributed as dist
 
-from ddpkit.distributed.env import free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 from ddpkit.doctor.inspector import StallMonitor
 
 # A TCPStore server in this process, and a client for the inspector, which polls it as fast as it can.
-port = free_port()
+port = get_free_port()
 server = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=10))
 client = dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=10))
 monitor = StallMonitor(client, rank=0, world_size=1, threshold_s=60, poll_s=0.0001)

@@ -1,11 +1,14 @@
 """What Linux's /proc tells of processes on this machine, read in one place (the output_dir lock, the launcher
 watch, the stall inspector and the sweep of killed writers' temporaries all ask). Each answer is None, or the
-cautious one, where there is no /proc (not Linux) or the process cannot be read.
+cautious one, where there is no /proc (not Linux) or the process cannot be read. `die_with_parent` asks the
+kernel (prctl) to end a process with its parent, for the data-loader workers and the benchmark's ranks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -71,3 +74,18 @@ def boot_id() -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send `sig` to this process when the thread that forked it exits (the parent dying without
+    cleaning up: SIGKILL, a crash). False where the kernel cannot be asked (not Linux): the caller keeps its own
+    watch. The caller checks afterwards that its parent is still the one it expects: one that died before the
+    request took effect is not signalled."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        return False
+    return True

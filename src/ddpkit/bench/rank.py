@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit._utils.procfs import die_with_parent
 from ddpkit.bench.workloads import WORKLOADS, Workload
 from ddpkit.distributed.comm import Comm, barrier
 from ddpkit.world import destroy_process_group
@@ -148,12 +149,7 @@ def rank_main(rank: int, world_size: int, port: int, cfg, results) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to kill this rank if the parent dies without cleaning up (SIGKILL, a crash)."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
+    if not die_with_parent():
         return  # not Linux: the parent's deadline and cleanup still apply
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:

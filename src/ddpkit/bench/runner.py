@@ -45,12 +45,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ddpkit._utils.atomic import replacing
 from ddpkit.bench.rank import VARIANTS, rank_main, round_order, variants_of  # noqa: F401 - the benchmark's API
 from ddpkit.bench.report import RATIOS, format_table, ratio_stats, summarise  # noqa: F401
 from ddpkit.bench.workloads import WORKLOADS
-from ddpkit.distributed.env import free_port
 
 SEED_LIMIT = 2**53  # so that a rank's data seed, 1000 * seed + rank, stays below torch's limit (2**64)
 
@@ -122,7 +122,7 @@ def run_ranks(target: Callable[..., None], world_size: int, args: tuple, deadlin
     the deadline, or Ctrl-C or SIGTERM as KeyboardInterrupt), no rank outlives it. `hint`: what the deadline was."""
     ctx = mp.get_context("spawn")  # fresh interpreters: no thread pools or locks inherited from the caller
     results = ctx.Queue()
-    port = free_port()
+    port = get_free_port()
     procs = [ctx.Process(target=target, args=(rank, world_size, port, *args, results), daemon=True,
                          name=f"ddpkit-bench-rank{rank}") for rank in range(world_size)]
     done: dict[int, Any] = {}

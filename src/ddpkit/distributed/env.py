@@ -18,7 +18,6 @@ import dataclasses
 import datetime
 import os
 import re
-import socket
 import sys
 import threading
 import warnings
@@ -35,7 +34,7 @@ from ddpkit.distributed.error_file import ERROR_FILE_VAR, install_worker_excepth
 from ddpkit.distributed.launcher_watch import session_launcher, watch_parent
 from ddpkit.distributed.store import rendezvous
 from ddpkit.errors import LaunchError
-from ddpkit.distributed.variables import CONSOLE_COLUMNS_VAR, LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR, LAUNCHER_RUN_VAR
+from ddpkit.distributed.variables import LAUNCHER_PID_NS_VAR, LAUNCHER_PID_VAR, LAUNCHER_RUN_VAR
 
 # The backend each kind of device gets when none is asked for (the Transformers guide's list).
 # torch's own default for a process group; the Transformers default for ddp_timeout is the same 1800 s.
@@ -60,6 +59,16 @@ class LaunchInfo:
     elastic: bool = False  # started by torchelastic's agent (ddpkit launch, torchrun): the parent is the launcher
     job: str | None = None  # the launch, the same in all its restarts (TORCHELASTIC_RUN_ID); None: not told
     launcher_pid: int | None = None  # ddpkit launch's pid, valid in this PID namespace; None: not told
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one process that writes checkpoints and logs (DistEnv.is_main, before a world)."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """The first process of its node."""
+        return self.local_rank == 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -238,7 +247,7 @@ def is_main_process(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process is global rank 0 of the job its launcher describes (True without a launcher);
     readable before any process group exists, e.g. to print an error once instead of once per rank."""
     try:
-        return read_launch_env(environ).rank == 0
+        return read_launch_env(environ).is_main
     except LaunchError:
         return True  # an environment that does not parse: better every rank says it than none
 
@@ -302,13 +311,6 @@ def _adopted_device(device_type: str, module: Any, count: int) -> torch.device:
     return torch.device(device_type, index)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def init_process_group(
     backend: str | None = None,
     timeout: float | datetime.timedelta | None = None,
@@ -370,24 +372,3 @@ def destroy_process_group() -> None:
     """Leave the world; a no-op when no process group exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# -- the console --------------------------------------------------------------------------------------------------
-# `ddpkit launch` forwards every worker's output (which goes to a file) to its own stdout; when that is a terminal,
-# it tells the workers how many columns they may use on it, so that a progress bar can redraw in place there too.
-
-
-def console_columns(stream: object = None, environ: Mapping[str, str] | None = None) -> int | None:
-    """The width of the terminal that text written to `stream` (default: sys.stderr) reaches, or None when it
-    reaches none (a pipe, a log file): the stream's own terminal, else the one `ddpkit launch` forwards it to."""
-    import sys
-
-    stream = sys.stderr if stream is None else stream
-    environ = os.environ if environ is None else environ
-    try:
-        if stream.isatty():
-            return os.get_terminal_size(stream.fileno()).columns or 80  # a terminal of no size: assume 80
-    except (AttributeError, OSError, ValueError):  # not a real file, or a terminal that cannot say its size
-        pass
-    value = environ.get(CONSOLE_COLUMNS_VAR, "")
-    return int(value) if value.isdigit() and int(value) > 0 else None

@@ -8,7 +8,7 @@ LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
 LAUNCHER_PID_NS_VAR = "DDPKIT_LAUNCHER_PID_NS"
 LAUNCHER_RUN_VAR = "DDPKIT_LAUNCHER_RUN_ID"
 # How many columns of the launcher's terminal a worker may use, so that a progress bar redraws in place there
-# (ddpkit.distributed.env.console_columns).
+# (ddpkit.distributed.terminal.console_columns).
 CONSOLE_COLUMNS_VAR = "DDPKIT_CONSOLE_COLUMNS"
 # `ddpkit launch --timeline FILE --timeline-steps A:B`: the trace to write and the steps to record
 # (ddpkit.timeline.spec encodes and decodes it).

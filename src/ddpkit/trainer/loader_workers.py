@@ -26,7 +26,6 @@ dies with it.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import signal
@@ -35,10 +34,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ddpkit._utils.procfs import process_ended
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
+from ddpkit._utils.procfs import die_with_parent, process_ended
 
 class SparedLoader(DataLoader):
     """A DataLoader whose workers (num_workers > 0) are spared by the stop (`spared_by_the_stop` runs first in
@@ -69,9 +65,7 @@ def spared_by_the_stop(worker_id: int, rank: int) -> None:
         return
     os.setpgid(0, 0)
     _only_the_ranks_sigterm(rank)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: torch's watch of its parent, between samples
+    if not die_with_parent():  # not Linux: torch's watch of its parent, between samples
         return
     if os.getppid() != rank:  # the rank died before the kernel could be told
         os._exit(1)

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from ddpkit._utils.atomic import replacing
-from ddpkit.distributed.env import console_columns
+from ddpkit.distributed.terminal import console_columns
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
