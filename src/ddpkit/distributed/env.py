@@ -42,8 +42,26 @@ DEFAULT_TIMEOUT_S = 1800.0
 # What `ddpkit launch` tells its workers of itself: its pid, the PID namespace it holds in, the launch's run id.
 
 
+class Ranked:
+    """The one answer to "is this rank 0", for what the launcher told (LaunchInfo, before any process group) and
+    for the world (DistEnv): both have a rank and a local rank."""
+
+    rank: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one process that writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """The first process of its node."""
+        return self.local_rank == 0
+
+
 @dataclasses.dataclass(frozen=True)
-class LaunchInfo:
+class LaunchInfo(Ranked):
     """What the launcher told this process, before any process group exists."""
 
     rank: int = 0
@@ -60,16 +78,6 @@ class LaunchInfo:
     job: str | None = None  # the launch, the same in all its restarts (TORCHELASTIC_RUN_ID); None: not told
     launcher_pid: int | None = None  # ddpkit launch's pid, valid in this PID namespace; None: not told
 
-    @property
-    def is_main(self) -> bool:
-        """Global rank 0: the one process that writes checkpoints and logs (DistEnv.is_main, before a world)."""
-        return self.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        """The first process of its node."""
-        return self.local_rank == 0
-
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise LaunchError(f"world size must be >= 1, the {self.launcher} environment says {self.world_size}")
@@ -85,7 +93,7 @@ class LaunchInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistEnv:
+class DistEnv(Ranked):
     """The world as this process sees it; made once by `init_process_group` and passed down.
 
     A single process without a launcher is ``DistEnv(rank=0, local_rank=0, world_size=1, ...)``.
@@ -101,15 +109,6 @@ class DistEnv:
     launcher: str = "none"
     restart: int = 0  # how often torchelastic restarted this job's workers (0 on the first attempt)
     job: str | None = None  # the launch these workers belong to, the same in every restart (None: unknown)
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0, the one process that writes checkpoints and logs."""
-        return self.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        return self.local_rank == 0
 
     @property
     def is_distributed(self) -> bool:
