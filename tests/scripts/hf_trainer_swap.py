@@ -46,7 +46,7 @@ def train(out_dir: str) -> None:
               # what the ddp_* fields became on the wrapper accelerate built
               "settings": [wrapped.bucket_bytes_cap, wrapped.find_unused_parameters, wrapped.broadcast_buffers],
               # synchronised backward passes: one per optimizer step when accumulation ran under no_sync
-              "synced": getattr(getattr(wrapped, "reducer", None), "windows", None)}
+              "synced": getattr(getattr(wrapped, "reducer", None), "synced_passes", None)}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{args.process_index}.json"), "w") as f:
         json.dump(report, f)
