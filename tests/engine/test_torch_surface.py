@@ -292,3 +292,19 @@ def test_buffers_follow_require_forward_param_sync_like_torch():
         assert res["broadcasts"] == 5, res["broadcasts"]
     assert a["stats"] != b["stats"], "buffers were broadcast inside no_sync"
     assert a["params"] == b["params"]
+
+
+def test_the_state_left_out_of_a_pickle_names_attributes_the_wrapper_sets():
+    """__getstate__ leaves the process group, the reducer and their bookkeeping out by name: a renamed attribute
+    must not leave a stale name behind (and its value in every pickle). Each name is one the wrapper's classes
+    assign (some only on more than one rank, so their source is read rather than an instance)."""
+    import inspect
+    import re
+
+    from ddpkit.engine.ddp import DistributedDataParallel
+
+    sources = "".join(inspect.getsource(cls) for cls in DistributedDataParallel.__mro__
+                      if cls.__module__.startswith("ddpkit."))
+    assigned = set(re.findall(r"self\.(\w+)(?:\s*:[^=\n]+)?\s*=", sources))
+    stale = [name for name in DistributedDataParallel._ENGINE_STATE if name not in assigned]
+    assert not stale, f"_ENGINE_STATE names attributes the wrapper never sets: {stale}"

@@ -166,7 +166,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.forward_sync_buffers = value
 
     # -- pickling, torch.save, copy.deepcopy: torch's contract ------------------------------------------------------
-    _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_window",
+    _ENGINE_STATE = ("_comm", "process_group", "reducer", "_param_index", "_reached", "_reached_pass",
                      "_join_config", "_join_pending", "_grad_shards")
 
     def __getstate__(self) -> dict[str, Any]:
