@@ -13,32 +13,16 @@ from ddpkit.data.length_sampler import LengthGroupedSampler
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.distributed.backends import available_backends
 from ddpkit.distributed.comm import Comm, barrier, main_process_first
-from ddpkit.world import destroy_process_group, init_process_group
 from ddpkit.distributed.env import DistEnv, LaunchInfo, read_launch_env
 from ddpkit.engine.ddp import DistributedDataParallel
 from ddpkit.engine.join import Join
-from ddpkit.errors import (
-                      ArgumentError,
-                      DeadlockError,
-                      LaunchError,
-                      PeerFailedError,
-                      PeerLeftError,
-                      PeerVanishedError,
-                      ReplicaDivergenceError,
-                      StallError,
-)
+from ddpkit.errors import (ArgumentError, DeadlockError, LaunchError, PeerFailedError, PeerLeftError, PeerVanishedError,
+                           ReplicaDivergenceError, StallError)
 from ddpkit.trainer.callbacks import TrainerCallback, TrainerControl
 from ddpkit.trainer.precision import AgreedGradScaler
-from ddpkit.trainer.trainer import (
-                      EvalLoopOutput,
-                      EvalPrediction,
-                      PredictionOutput,
-                      Trainer,
-                      TrainerState,
-                      TrainOutput,
-                      get_scheduler,
-                      set_seed,
-)
+from ddpkit.trainer.trainer import (EvalLoopOutput, EvalPrediction, PredictionOutput, Trainer, TrainerState, TrainOutput,
+                                    get_scheduler, set_seed)
+from ddpkit.world import destroy_process_group, init_process_group
 from ddpkit.zero.optimizer import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"

@@ -25,8 +25,6 @@ from types import TracebackType
 from ddpkit._utils.atomic import replacing
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
-
-
 _installed = False
 
 
