@@ -83,12 +83,12 @@ class ProcessMixin:
     @property
     def should_log(self) -> bool:
         """Whether this process logs: the first of each node (Transformers' log_on_each_node default)."""
-        return self._launch().is_local_main
+        return self._launch.is_local_main
 
     @property
     def should_save(self) -> bool:
         """Whether this process writes checkpoints and files: rank 0."""
-        return self._launch().is_main
+        return self._launch.is_main
 
     @property
     def ddp_timeout_delta(self) -> datetime.timedelta:
