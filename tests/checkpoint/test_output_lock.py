@@ -42,6 +42,7 @@ def test_a_live_owner_is_refused_a_dead_one_taken_over(tmp_path):
     mine = OutputDirLock(str(tmp_path))
     mine.acquire()  # its owner is dead now: stale, taken over
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert (tmp_path / ".ddpkit.lock").exists()  # the name the docs give and earlier runs left behind
     mine.acquire()  # the same process again (a second train() call): still its own
     mine.release()
     assert not (tmp_path / LOCK_FILE).exists()

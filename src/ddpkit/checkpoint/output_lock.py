@@ -6,7 +6,7 @@
     lock.release()
 
 Two runs writing into one folder corrupt each other: one's cleanup deletes the other's half-written checkpoint,
-metrics.jsonl interleaves. The lock is ``output_dir/.ddpkit.checkpoint.output_lock``, created with O_EXCL (atomic on local and
+metrics.jsonl interleaves. The lock is ``output_dir/.ddpkit.lock``, created with O_EXCL (atomic on local and
 network file systems), holding the owner's host, pid, process start time, PID namespace and boot id. A lock whose
 owner is on this host and no longer runs (its pid is gone, or now belongs to a process started at another time, or
 the machine booted since) is stale: it is moved aside with a rename, which only one contender can win, and taken
@@ -25,7 +25,7 @@ import uuid
 from ddpkit._utils.procfs import boot_id, pid_namespace, stat_fields
 from ddpkit.errors import OutputDirBusy
 
-LOCK_FILE = ".ddpkit.checkpoint.output_lock"
+LOCK_FILE = ".ddpkit.lock"
 
 
 def _kernel_ids() -> dict[str, str | None]:
