@@ -23,3 +23,15 @@ def test_the_table_has_a_row_per_field_with_its_default_and_help():
     assert len(table) == 2 + len(fields)
     row = next(line for line in table if line.startswith("| `learning_rate` |"))
     assert "`5e-05`" in row and TrainingArguments.__dataclass_fields__["learning_rate"].metadata["help"][:20] in row
+
+
+def test_a_page_without_markers_is_refused_and_left_whole(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\nno table here\n")
+    try:
+        field_table.main([str(page)])
+    except ValueError as error:
+        assert "field table markers" in str(error)
+    else:
+        raise AssertionError("a page without markers was taken")
+    assert page.read_text() == "# A page\n\nno table here\n"
