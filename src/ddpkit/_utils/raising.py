@@ -33,8 +33,10 @@ def callers_level() -> int:
     torch: the user's line (that called init_process_group, or ran backward: the reducer is called in from the
     autograd engine)."""
     torch = sys.modules.get("torch")
-    package = os.path.dirname(os.path.dirname(__file__))  # ddpkit/, this file being ddpkit/_utils/raising.py
-    inside = tuple(os.path.dirname(path) + os.sep for path in (package + os.sep, getattr(torch, "__file__", None)) if path)
+    roots = [os.path.dirname(os.path.dirname(__file__))]  # ddpkit/ (this file is ddpkit/_utils/raising.py)
+    if getattr(torch, "__file__", None):
+        roots.append(os.path.dirname(torch.__file__))
+    inside = tuple(root + os.sep for root in roots)
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         level, frame = level + 1, frame.f_back
